@@ -1,0 +1,3 @@
+from speedllm.config.schema import RunConfig, register_configs
+
+__all__ = ["RunConfig", "register_configs"]

@@ -1,0 +1,235 @@
+"""Typed schema of every config group, registered in Hydra's ConfigStore.
+
+Hydra merges each `conf/<group>/<option>.yaml` into these dataclasses, so an unknown key or a
+value of the wrong type is rejected before anything runs. Cross-field rules live in validate.py.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from pathlib import Path
+
+from omegaconf import MISSING, OmegaConf
+
+ROOT = Path(__file__).resolve().parents[2]
+ASSETS = ROOT / "assets"
+
+
+@dataclass
+class ModelConfig:
+    """Qwen3 architecture; field names follow transformers' Qwen3Config / Qwen3MoeConfig."""
+
+    name: str = MISSING
+    vocab_size: int = MISSING
+    hidden_size: int = MISSING
+    intermediate_size: int = MISSING
+    num_hidden_layers: int = MISSING
+    num_attention_heads: int = MISSING
+    num_key_value_heads: int = MISSING
+    head_dim: int = 128
+    max_position_embeddings: int = 40960
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    # MoE (num_experts == 0 means dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: List[int] = field(default_factory=list)
+    router_aux_loss_coef: float = 0.001
+    # default tokenizer directory for this model (data.tokenizer defaults to it)
+    tokenizer: str = "${asset:tokenizers/qwen3}"
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout. world = dp * cp * tp * pp; dp=-1 infers dp from the world size."""
+
+    name: str = "single"
+    dp: int = -1
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1  # virtual pipeline stages per pp rank (interleaved schedules)
+    ep: int = 1  # expert parallel, carved out of dp * cp
+    cp: int = 1
+    fsdp: bool = True  # shard params/grads/optimizer over dp (FSDP2); False replicates (DDP-like)
+    reshard_after_forward: bool = True  # ZeRO-3-like; False keeps gathered params (ZeRO-2-like)
+    sequence_parallel: bool = True  # with tp > 1
+    pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | InterleavedZeroBubble
+    pp_microbatches: int = 0  # 0: one per pipeline stage
+    pp_layers: Optional[List[int]] = None  # explicit layers per stage; None splits evenly
+
+
+@dataclass
+class HardwareConfig:
+    """A device profile: what to run on and how fast it is (used for MFU and the planner)."""
+
+    name: str = "auto"
+    device: str = "cpu"  # cpu | cuda | npu
+    backend: str = "gloo"  # gloo | nccl | hccl
+    ops: str = "reference"  # op implementations: reference | cuda | npu
+    dtype: str = "float32"  # compute dtype (bf16 on GPU/NPU with fp32 master weights)
+    memory_gb: float = 16.0  # memory per device
+    peak_tflops: Dict[str, float] = field(default_factory=lambda: {"float32": 0.1, "bfloat16": 0.01})
+    memory_bandwidth_gbps: float = 20.0
+    intra_node_bandwidth_gbps: float = 10.0
+    inter_node_bandwidth_gbps: float = 1.0
+    devices_per_node: int = 8
+    env: Dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class TaskConfig:
+    name: str = "pretrain"  # pretrain | sft | generate | chat | evaluate | preprocess | convert | plan | doctor
+
+
+@dataclass
+class DataConfig:
+    name: str = "demo"
+    # pretraining: one prefix, or a Megatron-style weighted list [w1, prefix1, w2, prefix2]
+    path: Any = None
+    tokenizer: str = "${model.tokenizer}"
+    split: str = "969,30,1"  # train,valid,test weights (Megatron style)
+    # preprocess
+    input: Any = None  # file, glob or list of them
+    output_prefix: Optional[str] = None
+    text_key: List[str] = field(default_factory=lambda: ["text"])
+    append_eod: bool = True
+    workers: int = 1
+    on_error: str = "fail"  # fail | skip
+    cache_dir: str = "${oc.env:SPEEDLLM_CACHE,${oc.env:HOME,.}/.cache/speedllm}"
+    # sft
+    format: str = "pretrain"  # pretrain | alpaca | sharegpt | messages
+    loss_on: str = "assistant"  # all | assistant | last
+    overlong: str = "truncate"  # truncate | drop
+    packing: bool = True
+    trust_remote_code: bool = False
+    loader_workers: int = 0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    seq_len: int = 256
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    log_every: int = 10
+    eval_every: int = 100
+    eval_steps: int = 5
+    grad_clip: float = 1.0
+    recompute: str = "none"  # none | selective | full
+    compile: bool = False
+    max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
+    loss_chunk_size: int = 1024  # tokens per chunk of the output projection + cross-entropy
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    weight_decay: float = 0.1
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    schedule: str = "cosine"  # constant | linear | cosine | wsd
+    warmup_steps: int = 20
+    decay_fraction: float = 0.2  # wsd: share of steps spent decaying
+    decay_embeddings: bool = False  # weight decay on embeddings (never on norms)
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "${hydra:runtime.output_dir}/checkpoints"
+    every: int = 0  # 0: only at the end
+    keep: int = 3
+    save_final: bool = True
+    load: Optional[str] = None  # <dir> | auto
+    load_hf: Optional[str] = None  # HF model directory
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    progress_bar: bool = True
+
+
+@dataclass
+class LauncherConfig:
+    nproc_per_node: int = 0  # 0: derived from the parallel layout
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = "localhost:0"  # host:port; port 0 picks a free one (single node)
+    rdzv_backend: str = "c10d"
+    max_restarts: int = 0
+    monitor_interval: float = 0.5
+
+
+@dataclass
+class GenerateConfig:
+    prompt: Optional[str] = None
+    prompts_file: Optional[str] = None
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+    stop: List[str] = field(default_factory=list)
+    batch_size: int = 8
+    stream: bool = True
+    output: Optional[str] = None
+    chat_template: bool = False  # wrap prompts in the tokenizer's chat template
+    enable_thinking: bool = False
+    num_samples: int = 3  # samples printed at the end of a training run
+
+
+@dataclass
+class EvaluateConfig:
+    split: str = "valid"
+    steps: int = 20
+
+
+@dataclass
+class ConvertConfig:
+    to: str = "hf"  # hf | dcp
+    out: Optional[str] = None
+    max_shard_size: str = "5GB"
+    dtype: Optional[str] = None  # None keeps the checkpoint's dtype
+
+
+@dataclass
+class PlanConfig:
+    top: int = 10  # rows of the ranked table
+    show_rejected: int = 10
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = MISSING
+    parallel: ParallelConfig = MISSING
+    hardware: HardwareConfig = MISSING
+    task: TaskConfig = MISSING
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    convert: ConvertConfig = field(default_factory=ConvertConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    seed: int = 1234
+    run_dir: str = "${hydra:runtime.output_dir}"
+
+
+def register_configs() -> None:
+    """Register the root schema and the `${asset:...}` resolver (absolute path under assets/)."""
+    if not OmegaConf.has_resolver("asset"):
+        OmegaConf.register_new_resolver("asset", lambda rel: str(ASSETS / rel))
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
