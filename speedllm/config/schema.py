@@ -124,6 +124,7 @@ class TrainConfig:
     recompute: str = "none"  # none | selective | full
     compile: bool = False
     max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
+    stop_after: int = 0  # stop (with a checkpoint) after this many steps in this process; 0: run to train.steps
     loss_chunk_size: int = 1024  # tokens per chunk of the output projection + cross-entropy
 
 
@@ -143,7 +144,7 @@ class OptimConfig:
 
 @dataclass
 class CheckpointConfig:
-    dir: str = "${hydra:runtime.output_dir}/checkpoints"
+    dir: str = "${run_dir}/checkpoints"
     every: int = 0  # 0: only at the end
     keep: int = 3
     save_final: bool = True

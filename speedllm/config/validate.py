@@ -1,0 +1,185 @@
+"""Cross-field checks on a composed config, run before any process starts.
+
+Each rule raises UserError with ONE line naming the key(s), their values and a fix. Hydra's schema has already
+rejected unknown keys and wrong types; what is left are rules that span several keys or touch the machine.
+"""
+
+import os
+from glob import glob
+
+from omegaconf import DictConfig
+
+from speedllm.errors import UserError
+
+CHOICES = {
+    "hardware.device": ("cpu", "cuda", "npu"),
+    "hardware.backend": ("gloo", "nccl", "hccl"),
+    "hardware.ops": ("reference", "cuda", "npu"),
+    "hardware.dtype": ("float32", "bfloat16", "float16"),
+    "parallel.pp_schedule": ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"),
+    "train.recompute": ("none", "selective", "full"),
+    "optim.schedule": ("constant", "linear", "cosine", "wsd"),
+    "data.format": ("pretrain", "alpaca", "sharegpt", "messages"),
+    "data.loss_on": ("all", "assistant", "last"),
+    "data.overlong": ("truncate", "drop"),
+    "data.on_error": ("fail", "skip"),
+    "convert.to": ("hf", "dcp"),
+    "task.name": ("pretrain", "sft", "generate", "chat", "evaluate", "preprocess", "convert", "plan", "doctor"),
+}
+INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+# Tasks that plan for or convert between machines: they run in one process and need no devices.
+IN_PROCESS_TASKS = ("preprocess", "convert", "plan")
+
+
+def _get(cfg: DictConfig, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def _divisors(n: int) -> str:
+    return "{" + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
+
+
+def check_choices(cfg: DictConfig) -> None:
+    for key, allowed in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            raise UserError(f"{key}={value} is not one of {', '.join(allowed)}; pick one of them")
+
+
+def check_parallel(cfg: DictConfig) -> None:
+    m, p, name = cfg.model, cfg.parallel, cfg.model.name
+    for key in ("tp", "pp", "vpp", "ep", "cp", "dp"):
+        if p[key] < 1:
+            raise UserError(f"parallel.{key}={p[key]} must be >= 1")
+    for heads_key in ("num_attention_heads", "num_key_value_heads"):
+        heads = m[heads_key]
+        if heads % p.tp:
+            raise UserError(f"parallel.tp={p.tp} does not divide {heads_key}={heads} of model {name}; "
+                            f"use tp in {_divisors(m.num_key_value_heads)}")
+    stages = p.pp * p.vpp
+    if p.pp_layers is not None:
+        if len(p.pp_layers) != stages or sum(p.pp_layers) != m.num_hidden_layers or min(p.pp_layers) < 1:
+            raise UserError(f"parallel.pp_layers={list(p.pp_layers)} must list {stages} stage sizes (pp*vpp) of at "
+                            f"least 1 that sum to num_hidden_layers={m.num_hidden_layers} of model {name}")
+    elif m.num_hidden_layers % stages:
+        raise UserError(f"model.num_hidden_layers={m.num_hidden_layers} of model {name} cannot be split evenly over "
+                        f"parallel.pp={p.pp} x parallel.vpp={p.vpp} = {stages} stages; use pp*vpp in "
+                        f"{_divisors(m.num_hidden_layers)} or list the layers per stage in parallel.pp_layers")
+    if p.vpp > 1 and p.pp_schedule not in INTERLEAVED:
+        raise UserError(f"parallel.vpp={p.vpp} needs an interleaved schedule; set parallel.pp_schedule to one of "
+                        f"{', '.join(INTERLEAVED)} (or vpp=1)")
+    if p.ep > 1:
+        if m.num_experts == 0:
+            raise UserError(f"parallel.ep={p.ep} needs a MoE model but {name} is dense; set parallel.ep=1")
+        if m.num_experts % p.ep:
+            raise UserError(f"parallel.ep={p.ep} does not divide num_experts={m.num_experts} of model {name}; "
+                            f"use ep in {_divisors(m.num_experts)}")
+        if (p.dp * p.cp) % p.ep:
+            raise UserError(f"parallel.ep={p.ep} must divide parallel.dp x parallel.cp = {p.dp * p.cp} "
+                            f"(experts are spread over the data/context ranks); raise dp or lower ep")
+
+
+def check_batch(cfg: DictConfig) -> None:
+    t, p, m = cfg.train, cfg.parallel, cfg.model
+    if t.global_batch_size % (t.micro_batch_size * p.dp):
+        raise UserError(f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="
+                        f"{t.micro_batch_size} x parallel.dp={p.dp}; use a multiple of {t.micro_batch_size * p.dp}")
+    if t.seq_len > m.max_position_embeddings:
+        raise UserError(f"train.seq_len={t.seq_len} exceeds max_position_embeddings={m.max_position_embeddings} of "
+                        f"model {m.name}; lower train.seq_len")
+    if p.cp > 1 and t.seq_len % (2 * p.cp):
+        raise UserError(f"train.seq_len={t.seq_len} must be divisible by 2 x parallel.cp = {2 * p.cp} "
+                        f"(load-balanced causal chunks); pick a multiple of {2 * p.cp}")
+    if p.tp > 1 and p.sequence_parallel and t.seq_len % p.tp:
+        raise UserError(f"train.seq_len={t.seq_len} must be divisible by parallel.tp={p.tp} with sequence parallel; "
+                        f"pick a multiple of {p.tp} or set parallel.sequence_parallel=false")
+
+
+def check_world(cfg: DictConfig, world_size: int) -> None:
+    p = cfg.parallel
+    product = p.dp * p.cp * p.tp * p.pp
+    if product != world_size:
+        raise UserError(f"parallel dp={p.dp} x cp={p.cp} x tp={p.tp} x pp={p.pp} = {product} does not match the world "
+                        f"size {world_size} (launcher.nnodes={cfg.launcher.nnodes} x launcher.nproc_per_node="
+                        f"{cfg.launcher.nproc_per_node}); set parallel.dp=-1 to infer it or fix the launcher counts")
+
+
+def check_device(cfg: DictConfig, nproc_per_node: int) -> None:
+    """The hardware profile's device must be here (not for planning, which targets machines the user lacks)."""
+    import torch
+
+    hw = cfg.hardware
+    if hw.device == "cpu":
+        return
+    if hw.device == "cuda":
+        found = torch.cuda.device_count()
+    else:
+        from speedllm.hardware import npu_available
+
+        found = torch.npu.device_count() if npu_available() else 0
+    if found < nproc_per_node:
+        raise UserError(f"hardware={hw.name} needs {nproc_per_node} {hw.device} device(s) per node but {found} "
+                        f"found here; use hardware=cpu (or hardware=auto), or lower launcher.nproc_per_node")
+
+
+def _must_exist(key: str, path: str, fix: str) -> None:
+    if not (os.path.exists(path) or glob(path)):
+        raise UserError(f"{key}={path} does not exist; {fix}")
+
+
+def check_paths(cfg: DictConfig) -> None:
+    ck, d, task = cfg.checkpoint, cfg.data, cfg.task.name
+    if ck.load not in (None, "auto"):
+        _must_exist("checkpoint.load", ck.load, "point it at a checkpoint directory (or use checkpoint.load=auto)")
+    if ck.load_hf is not None:
+        _must_exist("checkpoint.load_hf", ck.load_hf, "point it at a Hugging Face model directory")
+    if task != "doctor":
+        _must_exist("data.tokenizer", d.tokenizer, "point it at a Hugging Face tokenizer directory")
+    if task == "preprocess":
+        if d.input is None or d.output_prefix is None:
+            raise UserError("task=preprocess needs data.input=<file or glob> and data.output_prefix=<prefix>")
+        for item in [d.input] if isinstance(d.input, str) else d.input:
+            _must_exist("data.input", item, "give a file, a glob or a list of them")
+    if d.path is not None and task in ("pretrain", "evaluate"):
+        items = [d.path] if isinstance(d.path, str) else list(d.path)
+        for prefix in items[1::2] if len(items) > 1 else items:
+            for suffix in (".bin", ".idx"):
+                _must_exist("data.path", f"{prefix}{suffix}", "give the prefix of a .bin/.idx pair "
+                            "(e.g. made by task=preprocess)")
+    if task == "generate" and cfg.generate.prompt is None and cfg.generate.prompts_file is None:
+        raise UserError("task=generate needs generate.prompt=<text> or generate.prompts_file=<path>")
+    if cfg.generate.prompts_file is not None and task == "generate":
+        _must_exist("generate.prompts_file", cfg.generate.prompts_file, "one prompt per line, or jsonl")
+    if task == "convert":
+        if cfg.convert.out is None:
+            raise UserError("task=convert needs convert.out=<output directory>")
+        source = ck.load_hf if cfg.convert.to == "dcp" else ck.load
+        if source is None:
+            need = "checkpoint.load_hf=<HF dir>" if cfg.convert.to == "dcp" else "checkpoint.load=<checkpoint dir>"
+            raise UserError(f"task=convert convert.to={cfg.convert.to} needs {need}")
+
+
+def check_tokenizer(cfg: DictConfig) -> None:
+    from speedllm.data.tokenizer import tokenizer_vocab_size
+
+    size = tokenizer_vocab_size(cfg.data.tokenizer)
+    if size > cfg.model.vocab_size:
+        raise UserError(f"data.tokenizer={cfg.data.tokenizer} has {size} tokens but model {cfg.model.name} has "
+                        f"vocab_size={cfg.model.vocab_size}; use the model's tokenizer or a model with a larger vocab")
+
+
+def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
+    """Run every rule; the first failure raises UserError."""
+    check_choices(cfg)
+    check_parallel(cfg)
+    check_batch(cfg)
+    if cfg.task.name != "plan":
+        check_world(cfg, world_size)
+        check_paths(cfg)
+        if cfg.task.name not in IN_PROCESS_TASKS:
+            check_device(cfg, nproc_per_node)
+        if cfg.task.name not in ("doctor", "convert"):
+            check_tokenizer(cfg)

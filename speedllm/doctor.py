@@ -1,0 +1,49 @@
+"""task=doctor: check every rank's host, device, backend and mesh position with a verified all-reduce."""
+
+import platform
+import socket
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from speedllm.errors import UserError
+from speedllm.runtime import Runtime
+
+
+def _report(cfg: DictConfig, rt: Runtime) -> dict:
+    versions = {"torch": torch.__version__, "cuda": torch.version.cuda or "-"}
+    if cfg.hardware.device == "npu":
+        import torch_npu
+
+        versions["torch_npu"] = torch_npu.__version__
+    coordinate = dict(zip(rt.mesh.mesh_dim_names, rt.mesh.get_coordinate())) if rt.mesh is not None else {}
+    return {"rank": rt.rank, "local_rank": rt.local_rank, "host": socket.gethostname(), "device": str(rt.device),
+            "backend": cfg.hardware.backend if rt.world_size > 1 else "none", "mesh": coordinate,
+            "python": platform.python_version(), **versions}
+
+
+def run(cfg: DictConfig, rt: Runtime) -> None:
+    report = _report(cfg, rt)
+    # Each rank contributes rank+1; the sum over the world is known in closed form.
+    value = torch.tensor([float(rt.rank + 1)], device=rt.device)
+    if rt.world_size > 1:
+        dist.all_reduce(value)
+        reports = [None] * rt.world_size
+        dist.all_gather_object(reports, report)
+    else:
+        reports = [report]
+    expected = rt.world_size * (rt.world_size + 1) / 2
+    ok = value.item() == expected
+    if rt.is_main:
+        for r in reports:
+            mesh = " ".join(f"{k}={v}" for k, v in r["mesh"].items()) or "-"
+            print(f"rank {r['rank']:>3} local {r['local_rank']:>2} host {r['host']} device {r['device']} "
+                  f"backend {r['backend']} mesh [{mesh}] torch {r['torch']} cuda {r['cuda']}"
+                  + (f" torch_npu {r['torch_npu']}" if "torch_npu" in r else ""))
+        hosts = len({r["host"] for r in reports})
+        print(f"doctor: {len(reports)}/{rt.world_size} ranks on {hosts} host(s) reported; all-reduce "
+              f"{'ok' if ok else 'WRONG'} (sum {value.item():g}, expected {expected:g}); hardware={cfg.hardware.name}")
+    if not ok:
+        raise UserError(f"all-reduce over {rt.world_size} ranks returned {value.item():g} instead of {expected:g}; "
+                        f"check the network / backend {cfg.hardware.backend}")

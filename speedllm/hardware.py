@@ -1,0 +1,35 @@
+"""Hardware profiles: `hardware=auto` detection and loading a profile from conf/hardware/."""
+
+import importlib.util
+
+from omegaconf import DictConfig, OmegaConf
+
+from speedllm.config.schema import ROOT, HardwareConfig
+
+
+def npu_available() -> bool:
+    """True when torch_npu is installed and sees a device. Imported only if present: it needs the Ascend toolkit."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    import torch_npu  # noqa: F401
+
+    import torch
+
+    return torch.npu.is_available()
+
+
+def detect() -> str:
+    """The profile `hardware=auto` stands for: npu if torch_npu sees a device, else cuda (h100/h200 by name), else cpu."""
+    import torch
+
+    if npu_available():
+        return "npu_a3" if "910C" in torch.npu.get_device_name(0) else "npu_a2"
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        return "h200" if "H200" in name else "h100" if "H100" in name else "cuda"
+    return "cpu"
+
+
+def load_profile(name: str) -> DictConfig:
+    """A profile from conf/hardware/<name>.yaml, typed by the schema."""
+    return OmegaConf.merge(OmegaConf.structured(HardwareConfig), OmegaConf.load(ROOT / "conf" / "hardware" / f"{name}.yaml"))

@@ -1,0 +1,197 @@
+"""Freeze a composed config and run it: in this process, or as N ranks through PyTorch's elastic launcher.
+
+`launch.py` (the only @hydra.main) hands the composed config to `launch()`. Spawned workers run
+`python -m speedllm.launcher <run_dir>/config.yaml`: they read the frozen config and never re-run Hydra.
+"""
+
+import importlib
+import importlib.util
+import os
+import sys
+import uuid
+from pathlib import Path
+
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from speedllm.config.schema import register_configs
+from speedllm.config.validate import IN_PROCESS_TASKS, validate
+from speedllm.errors import UserError
+from speedllm.hardware import detect, load_profile
+from speedllm.runtime import Runtime, init_runtime
+
+# task name -> "module:function"; every task is `run(cfg, rt)`.
+TASKS = {
+    "pretrain": "speedllm.train.loop:run",
+    "sft": "speedllm.train.loop:run",
+    "generate": "speedllm.infer.generate:run",
+    "chat": "speedllm.infer.chat:run",
+    "evaluate": "speedllm.infer.evaluate:run",
+    "preprocess": "speedllm.data.preprocess:run",
+    "convert": "speedllm.checkpoint.convert:run",
+    "plan": "speedllm.planner.plan:run",
+    "doctor": "speedllm.doctor:run",
+}
+FROZEN_NAME = "config.yaml"
+
+
+def under_torchrun() -> bool:
+    """True when torchrun (or another elastic agent) started this process as one rank of a job."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def resolve_hardware(cfg: DictConfig) -> None:
+    if cfg.hardware.name == "auto":
+        cfg.hardware = load_profile(detect())
+
+
+def resolve_nodes(cfg: DictConfig) -> None:
+    """Multi-node: under SLURM (Hydra's submitit launcher, one task per node) take the node rank and rendezvous
+    host from the job; elsewhere the user names the rendezvous endpoint (node 0's host:port)."""
+    lc = cfg.launcher
+    if lc.nnodes == 1 or under_torchrun():
+        return
+    if "SLURM_JOB_ID" in os.environ and importlib.util.find_spec("submitit") is not None:
+        import submitit
+
+        job = submitit.JobEnvironment()
+        lc.node_rank = job.node
+        if lc.rdzv_endpoint.startswith("localhost"):
+            lc.rdzv_endpoint = f"{job.hostnames[0]}:29500"
+    if lc.rdzv_endpoint.startswith("localhost") or lc.rdzv_endpoint.endswith(":0"):
+        raise UserError(f"launcher.nnodes={lc.nnodes} needs launcher.rdzv_endpoint=<host of node 0>:<free port> "
+                        f"(now {lc.rdzv_endpoint}), the same on every node")
+
+
+def resolve_layout(cfg: DictConfig) -> tuple[int, int]:
+    """Fill in parallel.dp (when -1) and launcher.nproc_per_node (when 0); return (world_size, nproc_per_node).
+
+    Under torchrun the world comes from its environment; otherwise from the launcher counts, or, when
+    those are left at 0, from the parallel layout itself (so `parallel=tp8` alone means 8 ranks).
+    """
+    p, launcher = cfg.parallel, cfg.launcher
+    if p.name == "auto":
+        from speedllm.planner import choose_layout
+
+        choose_layout(cfg)
+    model_parallel = p.tp * p.pp * p.cp
+    if under_torchrun():
+        world, nproc = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    elif launcher.nproc_per_node > 0:
+        nproc = launcher.nproc_per_node
+        world = launcher.nnodes * nproc
+    else:
+        world = max(p.dp, 1) * model_parallel
+        if world % launcher.nnodes:
+            raise UserError(f"the layout needs {world} ranks, which launcher.nnodes={launcher.nnodes} does not divide; "
+                            f"set launcher.nproc_per_node explicitly")
+        nproc = world // launcher.nnodes
+    if p.dp == -1:
+        if world % model_parallel:
+            raise UserError(f"world size {world} is not divisible by tp x pp x cp = {model_parallel}; "
+                            f"fix launcher.nproc_per_node / launcher.nnodes or the parallel degrees")
+        p.dp = world // model_parallel
+    launcher.nproc_per_node = nproc
+    return world, nproc
+
+
+def write_frozen(cfg: DictConfig, run_dir: Path) -> Path:
+    """Write the fully resolved config atomically (temp name, then rename) and return its path."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / FROZEN_NAME
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    OmegaConf.save(cfg, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def run_task(cfg: DictConfig, rt: Runtime) -> None:
+    module, _, name = TASKS[cfg.task.name].partition(":")
+    getattr(importlib.import_module(module), name)(cfg, rt)
+
+
+def _spawn(cfg: DictConfig, frozen: Path, nproc: int) -> None:
+    """Run the frozen job as nproc local ranks (x nnodes) through torch's elastic launcher (torchrun's engine)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    lc = cfg.launcher
+    rdzv_configs = {"rank": lc.node_rank} if lc.rdzv_backend == "static" else {}
+    config = LaunchConfig(
+        min_nodes=lc.nnodes, max_nodes=lc.nnodes, nproc_per_node=nproc,
+        run_id="speedllm" if lc.nnodes > 1 else uuid.uuid4().hex[:8],
+        rdzv_backend=lc.rdzv_backend, rdzv_endpoint=lc.rdzv_endpoint, rdzv_configs=rdzv_configs,
+        max_restarts=lc.max_restarts, monitor_interval=lc.monitor_interval, start_method="spawn",
+    )
+    try:
+        elastic_launch(config, sys.executable)("-m", "speedllm.launcher", str(frozen))
+    except ChildFailedError as e:
+        codes = sorted({f.exitcode for f in e.failures.values()})
+        ranks = ", ".join(str(r) for r in sorted(e.failures))
+        print(f"error: rank(s) {ranks} failed (exit code {', '.join(map(str, codes))}); their output is above",
+              file=sys.stderr)
+        raise SystemExit(2 if codes == [2] else 1) from None
+
+
+def _run_under_torchrun(cfg: DictConfig) -> None:
+    """torchrun started every rank with Hydra: agree on rank 0's run dir, then run as a worker."""
+    rt = init_runtime(cfg)
+    run_dir = [str(cfg.run_dir)]
+    dist.broadcast_object_list(run_dir, src=0)
+    cfg.run_dir = run_dir[0]
+    OmegaConf.resolve(cfg)
+    if rt.is_main:
+        write_frozen(cfg, Path(cfg.run_dir))
+    try:
+        run_task(cfg, rt)
+    finally:
+        dist.destroy_process_group()
+
+
+def freeze_and_run(cfg: DictConfig) -> None:
+    resolve_hardware(cfg)
+    if cfg.task.name != "plan":
+        resolve_nodes(cfg)
+    world, nproc = resolve_layout(cfg)
+    validate(cfg, world, nproc)
+    cfg.run_dir = str(Path(cfg.run_dir).absolute())
+    if under_torchrun():
+        return _run_under_torchrun(cfg)
+    OmegaConf.resolve(cfg)
+    frozen = write_frozen(cfg, Path(cfg.run_dir))
+    if world == 1 or cfg.task.name in IN_PROCESS_TASKS:
+        run_task(cfg, init_runtime(cfg, distributed=False))
+    else:
+        _spawn(cfg, frozen, nproc)
+
+
+def launch(cfg: DictConfig) -> int:
+    """Entry from launch.py; returns the exit status (user errors: one line, status 2)."""
+    with open_dict(cfg):
+        try:
+            freeze_and_run(cfg)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except SystemExit as e:
+            return e.code if isinstance(e.code, int) else 1
+    return 0
+
+
+def worker_main(frozen: str) -> None:
+    """One rank of a spawned job: read the frozen config and run the task (never re-runs Hydra)."""
+    register_configs()
+    cfg = OmegaConf.load(frozen)
+    rt = init_runtime(cfg)
+    try:
+        run_task(cfg, rt)
+    except UserError as e:
+        print(f"error: [rank {rt.rank}] {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1])

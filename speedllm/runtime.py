@@ -1,0 +1,67 @@
+"""Per-process runtime: rank, device, process group and device mesh, set up once per worker."""
+
+import datetime
+import os
+import random
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from speedllm.parallel.mesh import build_mesh, world_size_of
+
+
+@dataclass
+class Runtime:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    mesh: Optional["dist.DeviceMesh"] = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def device_for(cfg: DictConfig, local_rank: int) -> torch.device:
+    kind = cfg.hardware.device
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind == "npu":
+        import torch_npu  # noqa: F401  (registers the npu device)
+    getattr(torch, kind).set_device(local_rank)
+    return torch.device(kind, local_rank)
+
+
+def init_runtime(cfg: DictConfig, distributed: bool = True) -> Runtime:
+    """Set the hardware profile's environment, the device, the process group (if several ranks) and the mesh.
+
+    Rank, world size and rendezvous come from the environment that torchrun / the elastic agent sets.
+    """
+    for key, value in cfg.hardware.env.items():
+        os.environ.setdefault(key, str(value))
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if distributed else 1
+    rank = int(os.environ.get("RANK", "0")) if distributed else 0
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if distributed else 0
+    device = device_for(cfg, local_rank)
+    mesh = None
+    if world_size > 1:
+        if not dist.is_initialized():
+            dist.init_process_group(cfg.hardware.backend, timeout=datetime.timedelta(minutes=10),
+                                    device_id=device if device.type != "cpu" else None)
+        mesh = build_mesh(cfg, device.type)
+    seed_everything(cfg.seed)
+    return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mesh=mesh)
+
+
+__all__ = ["Runtime", "init_runtime", "seed_everything", "world_size_of"]

@@ -1,0 +1,256 @@
+"""Config composition, the validation rules (exact one-line messages, exit code 2) and Hydra's own rejections."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
+
+from speedllm.config import register_configs
+from speedllm.config.schema import ROOT
+from speedllm.config.validate import check_world, validate
+from speedllm.errors import UserError
+from speedllm.hardware import load_profile
+from speedllm.launcher import resolve_layout
+
+CONF = ROOT / "conf"
+MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
+PARALLELS = sorted(p.stem for p in (CONF / "parallel").glob("*.yaml") if p.stem != "auto")
+HARDWARE = sorted(p.stem for p in (CONF / "hardware").glob("*.yaml") if p.stem != "auto")
+TASKS = sorted(p.stem for p in (CONF / "task").glob("*.yaml"))
+DATA = sorted(p.stem for p in (CONF / "data").glob("*.yaml"))
+
+
+def composed(*overrides):
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose("config", overrides=list(overrides))
+    return cfg
+
+
+def launch(*overrides, tmp_path):
+    """Run launch.py as a user would; return (exit code, stdout, stderr)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), f"hydra.run.dir={tmp_path}", *overrides],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def expected_error(m, p):
+    """The first rule a (model, parallel) pair breaks on paper, from the arithmetic alone (None: valid)."""
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        if m[key] % p.tp:
+            return f"parallel.tp={p.tp} does not divide {key}={m[key]}"
+    stages = p.pp * p.vpp
+    if p.pp_layers is not None:
+        if sum(p.pp_layers) != m.num_hidden_layers:
+            return f"parallel.pp_layers={list(p.pp_layers)} must list {stages} stage sizes"
+    elif m.num_hidden_layers % stages:
+        return f"model.num_hidden_layers={m.num_hidden_layers} of model {m.name} cannot be split evenly"
+    if p.ep > 1 and m.num_experts == 0:
+        return f"parallel.ep={p.ep} needs a MoE model"
+    if p.ep > 1 and m.num_experts % p.ep:
+        return f"parallel.ep={p.ep} does not divide num_experts"
+    return None
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_model_parallel_pair_validates_or_fails_as_expected(model):
+    for parallel in PARALLELS:
+        cfg = composed(f"model={model}", f"parallel={parallel}", "hardware=cpu", "task=plan")
+        with open_dict(cfg):
+            world, nproc = resolve_layout(cfg)
+            cfg.train.global_batch_size = cfg.parallel.dp * cfg.train.micro_batch_size
+            cfg.train.seq_len = 256
+        want = expected_error(cfg.model, cfg.parallel)
+        if want is None:
+            validate(cfg, world, nproc)
+            check_world(cfg, world)
+            assert world == cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
+        else:
+            with pytest.raises(UserError) as err:
+                validate(cfg, world, nproc)
+            assert want in str(err.value), (model, parallel, str(err.value))
+            assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("hardware", HARDWARE)
+def test_every_hardware_profile_composes_and_has_its_fields(hardware):
+    cfg = composed(f"hardware={hardware}", "task=plan")
+    profile = load_profile(hardware)
+    assert cfg.hardware == profile
+    assert profile.device in ("cpu", "cuda", "npu")
+    assert profile.backend == {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[profile.device]
+    assert profile.peak_tflops[profile.dtype] > 0 and profile.memory_gb > 0
+
+
+def test_every_task_and_data_option_composes():
+    for task in TASKS:
+        assert composed(f"task={task}").task.name == task
+    for data in DATA:
+        assert composed(f"data={data}").data.name == data
+    assert composed("task=sft").data.name == "sft_demo"
+    assert composed("task=sft", "data=custom").data.name == "custom"
+
+
+def test_model_sizes_match_the_reference_table():
+    rows = {"qwen3_0.6b": (1024, 28, 16, 8, 3072, True), "qwen3_8b": (4096, 36, 32, 8, 12288, False),
+            "qwen3_32b": (5120, 64, 64, 8, 25600, False), "qwen3_235b_a22b": (4096, 94, 64, 4, 12288, False)}
+    for name, row in rows.items():
+        m = composed(f"model={name}").model
+        assert (m.hidden_size, m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads,
+                m.intermediate_size, m.tie_word_embeddings) == row
+        assert m.vocab_size == 151936 and m.head_dim == 128 and m.rms_norm_eps == 1e-6
+
+
+RULES = [
+    (["model=qwen3_0.6b", "parallel=tp2", "parallel.tp=3", "parallel.dp=1", "task=doctor"],
+     "parallel.tp=3 does not divide num_attention_heads=16 of model qwen3_0.6b; use tp in {1, 2, 4, 8}"),
+    (["model=qwen3_0.6b", "parallel=pp2", "parallel.pp=3", "task=doctor"],
+     "model.num_hidden_layers=28 of model qwen3_0.6b cannot be split evenly over parallel.pp=3 x parallel.vpp=1 = 3 "
+     "stages; use pp*vpp in {1, 2, 4, 7, 14, 28} or list the layers per stage in parallel.pp_layers"),
+    (["model=qwen3_0.6b", "parallel=pp2", "parallel.pp_layers=[10,10]", "task=doctor"],
+     "parallel.pp_layers=[10, 10] must list 2 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=28 of "
+     "model qwen3_0.6b"),
+    (["parallel=pp2", "parallel.vpp=2", "task=doctor"],
+     "parallel.vpp=2 needs an interleaved schedule; set parallel.pp_schedule to one of Interleaved1F1B, "
+     "InterleavedZeroBubble, ZBVZeroBubble (or vpp=1)"),
+    (["parallel=ep2", "task=doctor"], "parallel.ep=2 needs a MoE model but qwen3_tiny is dense; set parallel.ep=1"),
+    (["model=qwen3_moe_tiny", "parallel=ep2", "parallel.ep=3", "parallel.dp=3", "task=doctor"],
+     "parallel.ep=3 does not divide num_experts=8 of model qwen3_moe_tiny; use ep in {1, 2, 4, 8}"),
+    (["model=qwen3_moe_tiny", "parallel=ep2", "parallel.dp=2", "parallel.ep=4", "task=doctor"],
+     "parallel.ep=4 must divide parallel.dp x parallel.cp = 2 (experts are spread over the data/context ranks); "
+     "raise dp or lower ep"),
+    (["parallel=tp2", "launcher.nproc_per_node=3", "task=doctor"],
+     "parallel dp=1 x cp=1 x tp=2 x pp=1 = 2 does not match the world size 3 (launcher.nnodes=1 x "
+     "launcher.nproc_per_node=3); set parallel.dp=-1 to infer it or fix the launcher counts"),
+    (["parallel=tp2", "parallel.dp=-1", "launcher.nproc_per_node=3", "task=doctor"],
+     "world size 3 is not divisible by tp x pp x cp = 2; fix launcher.nproc_per_node / launcher.nnodes or the "
+     "parallel degrees"),
+    (["parallel=dp2", "train.global_batch_size=6", "train.micro_batch_size=2", "task=doctor"],
+     "train.global_batch_size=6 is not divisible by train.micro_batch_size=2 x parallel.dp=2; use a multiple of 4"),
+    (["train.seq_len=8192", "task=doctor"],
+     "train.seq_len=8192 exceeds max_position_embeddings=4096 of model qwen3_tiny; lower train.seq_len"),
+    (["parallel=cp2", "train.seq_len=66", "task=doctor"],
+     "train.seq_len=66 must be divisible by 2 x parallel.cp = 4 (load-balanced causal chunks); pick a multiple of 4"),
+    (["parallel=tp2", "train.seq_len=33", "task=doctor"],
+     "train.seq_len=33 must be divisible by parallel.tp=2 with sequence parallel; pick a multiple of 2 or set "
+     "parallel.sequence_parallel=false"),
+    (["hardware=h100", "task=doctor"],
+     "hardware=h100 needs 1 cuda device(s) per node but 0 found here; use hardware=cpu (or hardware=auto), or lower "
+     "launcher.nproc_per_node"),
+    (["hardware=npu_a2", "task=doctor"],
+     "hardware=npu_a2 needs 1 npu device(s) per node but 0 found here; use hardware=cpu (or hardware=auto), or lower "
+     "launcher.nproc_per_node"),
+    (["train.recompute=some", "task=doctor"], "train.recompute=some is not one of none, selective, full; pick one of them"),
+    (["checkpoint.load=/nonexistent/ckpt", "task=doctor"],
+     "checkpoint.load=/nonexistent/ckpt does not exist; point it at a checkpoint directory (or use checkpoint.load=auto)"),
+    (["checkpoint.load_hf=/nonexistent/hf", "task=doctor"],
+     "checkpoint.load_hf=/nonexistent/hf does not exist; point it at a Hugging Face model directory"),
+    (["data.path=/nonexistent/corpus", "task=pretrain"],
+     "data.path=/nonexistent/corpus.bin does not exist; give the prefix of a .bin/.idx pair (e.g. made by "
+     "task=preprocess)"),
+    (["data.tokenizer=/nonexistent/tok", "task=pretrain"],
+     "data.tokenizer=/nonexistent/tok does not exist; point it at a Hugging Face tokenizer directory"),
+    (["task=preprocess"], "task=preprocess needs data.input=<file or glob> and data.output_prefix=<prefix>"),
+    (["task=preprocess", "data.input=/nonexistent/*.jsonl", "data.output_prefix=/tmp/x"],
+     "data.input=/nonexistent/*.jsonl does not exist; give a file, a glob or a list of them"),
+    (["task=doctor", "launcher.nnodes=2"],
+     "launcher.nnodes=2 needs launcher.rdzv_endpoint=<host of node 0>:<free port> (now localhost:0), the same on "
+     "every node"),
+    (["task=generate"], "task=generate needs generate.prompt=<text> or generate.prompts_file=<path>"),
+    (["task=convert", "convert.to=hf"], "task=convert needs convert.out=<output directory>"),
+    (["task=convert", "convert.to=hf", "convert.out=/tmp/o"],
+     "task=convert convert.to=hf needs checkpoint.load=<checkpoint dir>"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", RULES, ids=[r[1][:40] for r in RULES])
+def test_validation_rule_message_and_exit_code(overrides, message, tmp_path):
+    code, out, err = launch(*overrides, tmp_path=tmp_path)
+    assert code == 2, (out, err)
+    assert err.strip() == f"error: {message}"
+    assert "Traceback" not in out + err
+    assert not (tmp_path / "config.yaml").exists()  # nothing frozen, nothing launched
+
+
+def test_tokenizer_larger_than_model_vocab_is_rejected(tmp_path):
+    tokenizer = ROOT / "assets" / "tokenizers" / "qwen3"
+    if not tokenizer.exists():
+        pytest.skip("bundled Qwen3 tokenizer not built")
+    code, _, err = launch(f"data.tokenizer={tokenizer}", tmp_path=tmp_path)
+    assert code == 2
+    assert err.strip() == (f"error: data.tokenizer={tokenizer} has 151669 tokens but model qwen3_tiny has "
+                           "vocab_size=8192; use the model's tokenizer or a model with a larger vocab")
+
+
+@pytest.mark.parametrize("overrides,hydra_says", [
+    (["model.not_a_key=1"], "Key 'not_a_key' not in 'ModelConfig'"),
+    (["train.steps=abc"], "Value 'abc' of type 'str' could not be converted to Integer"),
+    (["model=qwen3_7b"], "Could not find 'model/qwen3_7b'"),
+])
+def test_hydra_rejects_unknown_keys_wrong_types_and_options(overrides, hydra_says, tmp_path):
+    code, out, err = launch(*overrides, tmp_path=tmp_path)
+    assert code != 0
+    assert hydra_says in err
+
+
+def test_cfg_job_prints_the_composed_config(tmp_path):
+    code, out, _ = launch("model=qwen3_0.6b", "parallel=tp2_pp2", "--cfg", "job", tmp_path=tmp_path)
+    assert code == 0
+    assert "name: qwen3_0.6b" in out and "name: tp2_pp2" in out and "hidden_size: 1024" in out
+
+
+def test_doctor_spawns_eight_gloo_ranks_for_tp8(tmp_path):
+    code, out, err = launch("model=qwen3_0.6b", "parallel=tp8", "task=doctor", tmp_path=tmp_path)
+    assert code == 0, err
+    lines = [line for line in out.splitlines() if line.startswith("rank ")]
+    assert len(lines) == 8
+    assert all("backend gloo" in line for line in lines)
+    assert {line.split("tp=")[1].split("]")[0] for line in lines} == {str(i) for i in range(8)}
+    assert "doctor: 8/8 ranks on 1 host(s) reported; all-reduce ok (sum 36, expected 36)" in out
+    frozen = (tmp_path / "config.yaml").read_text()
+    assert "tp: 8" in frozen and "nproc_per_node: 8" in frozen and "${" not in frozen
+
+
+def test_multirun_two_points_each_two_ranks_plus_a_failing_point(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "-m", "task=doctor", "parallel=dp2,tp2,tp8",
+                           f"hydra.sweep.dir={sweep}"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    # tp8 over qwen3_tiny's 4 heads fails validation; the sweep goes on and reports it at the end.
+    assert proc.returncode == 1
+    assert proc.stdout.count("all-reduce ok (sum 3, expected 3)") == 2
+    assert "parallel.tp=8 does not divide num_attention_heads=4" in proc.stderr
+    assert "1 sweep point(s) failed: #2 (task=doctor parallel=tp8)" in proc.stderr
+    for num, name in [(0, "dp2"), (1, "tp2")]:
+        frozen = (sweep / str(num) / "config.yaml").read_text()
+        assert f"name: {name}" in frozen and f"run_dir: {sweep / str(num)}" in frozen
+    assert not (sweep / "2" / "config.yaml").exists()
+
+
+def test_torchrun_gets_the_same_run(tmp_path):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run([str(torchrun), "--nproc-per-node", "2", str(ROOT / "launch.py"), "task=doctor",
+                           "parallel=dp2", f"hydra.run.dir={tmp_path}"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "doctor: 2/2 ranks on 1 host(s) reported; all-reduce ok" in proc.stdout
+    assert "dp: 2" in (tmp_path / "config.yaml").read_text()
+
+
+def test_two_nodes_rendezvous_through_the_elastic_launcher(tmp_path):
+    """Two launch.py processes, one per 'node', meet at node 0's endpoint: the multi-node path, on one machine."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "task=doctor", "parallel=dp2",
+                               "launcher.nnodes=2", "launcher.nproc_per_node=1", f"launcher.node_rank={n}",
+                               f"launcher.rdzv_endpoint=127.0.0.1:{port}", f"hydra.run.dir={tmp_path / str(n)}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+             for n in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "doctor: 2/2 ranks on 1 host(s) reported; all-reduce ok (sum 3, expected 3)" in outs[0][0] + outs[1][0]
