@@ -171,8 +171,32 @@ def check_tokenizer(cfg: DictConfig) -> None:
                         f"vocab_size={cfg.model.vocab_size}; use the model's tokenizer or a model with a larger vocab")
 
 
+def check_hf_model(cfg: DictConfig) -> None:
+    """model=hf needs checkpoint.load_hf; any other model= must agree with the config.json it loads.
+
+    Runs first: model=hf's fields are read from that config.json when anything looks at them.
+    """
+    from speedllm.checkpoint.hf import config_mismatches, read_hf_config
+
+    load_hf, name = cfg.checkpoint.load_hf, cfg.model.name
+    if name == "hf" and load_hf is None:
+        raise UserError("model=hf takes the model from checkpoint.load_hf's config.json; set "
+                        "checkpoint.load_hf=<HF model dir>")
+    if load_hf is None:
+        return
+    _must_exist("checkpoint.load_hf", load_hf, "point it at a Hugging Face model directory")
+    read_hf_config(load_hf)
+    # task=convert takes the model from its source, whatever model= says
+    mismatches = [] if name == "hf" or cfg.task.name == "convert" else config_mismatches(cfg.model, load_hf)
+    if mismatches:
+        raise UserError(f"checkpoint.load_hf={load_hf}: config.json disagrees with model={name} on "
+                        f"{', '.join(mismatches)} (config.json vs model); use model=hf to take the model from "
+                        "config.json, or the matching model=")
+
+
 def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
     """Run every rule; the first failure raises UserError."""
+    check_hf_model(cfg)
     check_choices(cfg)
     check_parallel(cfg)
     check_batch(cfg)
@@ -181,5 +205,5 @@ def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
         check_paths(cfg)
         if cfg.task.name not in IN_PROCESS_TASKS:
             check_device(cfg, nproc_per_node)
-        if cfg.task.name not in ("doctor", "convert"):
+        if cfg.task.name not in ("doctor", "convert", "preprocess"):  # preprocess uses no model
             check_tokenizer(cfg)

@@ -1,0 +1,1 @@
+"""Data: tokenizers, preprocessing to Megatron `.bin/.idx`, pretraining and SFT datasets, the loader."""
