@@ -93,7 +93,7 @@ class DataConfig:
     # pretraining: one prefix, or a Megatron-style weighted list [w1, prefix1, w2, prefix2]
     path: Any = None
     tokenizer: str = "${model.tokenizer}"
-    split: str = "969,30,1"  # train,valid,test weights (Megatron style)
+    split: Any = "969,30,1"  # train,valid,test weights (Megatron style); on the command line: data.split=[98,1,1]
     # preprocess
     input: Any = None  # file, glob or list of them
     output_prefix: Optional[str] = None
@@ -113,12 +113,13 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 300
-    seq_len: int = 256
+    # defaults: the `python launch.py` demo, about two minutes of qwen3_tiny on 2 idle CPU cores
+    steps: int = 120
+    seq_len: int = 128
     micro_batch_size: int = 4
     global_batch_size: int = 8
     log_every: int = 10
-    eval_every: int = 100
+    eval_every: int = 40
     eval_steps: int = 5
     grad_clip: float = 1.0
     recompute: str = "none"  # none | selective | full
@@ -137,7 +138,7 @@ class OptimConfig:
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     schedule: str = "cosine"  # constant | linear | cosine | wsd
-    warmup_steps: int = 20
+    warmup_steps: int = 10
     decay_fraction: float = 0.2  # wsd: share of steps spent decaying
     decay_embeddings: bool = False  # weight decay on embeddings (never on norms)
 
@@ -206,6 +207,8 @@ class ConvertConfig:
 class PlanConfig:
     top: int = 10  # rows of the ranked table
     show_rejected: int = 10
+    compute_efficiency: float = 0.6  # fraction of peak FLOP/s large matmuls reach (planner's time model)
+    memory_margin: float = 0.1  # fraction of device memory the planner leaves for runtime and fragmentation
 
 
 @dataclass
@@ -228,9 +231,18 @@ class RunConfig:
     run_dir: str = "${hydra:runtime.output_dir}"
 
 
+def _hf_model(path, key):
+    """`${hf_model:<HF dir>,<field>}`: one ModelConfig field read from an HF config.json (conf/model/hf.yaml)."""
+    from speedllm.checkpoint.hf import hf_model_field
+
+    return hf_model_field(path, key)
+
+
 def register_configs() -> None:
     """Register the root schema and the `${asset:...}` resolver (absolute path under assets/)."""
     if not OmegaConf.has_resolver("asset"):
         OmegaConf.register_new_resolver("asset", lambda rel: str(ASSETS / rel))
+    if not OmegaConf.has_resolver("hf_model"):
+        OmegaConf.register_new_resolver("hf_model", _hf_model, use_cache=True)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)

@@ -1,0 +1,1 @@
+"""Checkpoints: atomic DCP save/resume (dcp.py); HF import/export."""

@@ -1,0 +1,90 @@
+"""Qwen3-MoE sparse block: softmax router, top-k experts stored stacked for one grouped matmul per projection.
+
+Letters: N tokens, D hidden, I expert intermediate size, E experts, k experts per token.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from speedllm.ops import Ops
+
+
+class Experts(nn.Module):
+    """Every expert's SwiGLU weights as one [E, out, in] tensor per projection (the HF per-expert Linear layout)."""
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+
+    def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor, ops: Ops) -> torch.Tensor:
+        """x_ND: token rows sorted by expert, counts_E rows per expert."""
+        h = ops.swiglu(ops.grouped_mm(x_ND, self.gate_proj, counts_E), ops.grouped_mm(x_ND, self.up_proj, counts_E))
+        return ops.grouped_mm(h, self.down_proj, counts_E)
+
+
+class MoE(nn.Module):
+    """Routes each token to its top-k experts and sums their outputs weighted by the router probabilities."""
+
+    def __init__(self, cfg, ops: Ops):
+        super().__init__()
+        self.ops = ops
+        self.num_experts = cfg.num_experts
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+
+    def forward(
+        self, x_BSD: torch.Tensor, token_mask: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Returns the block output and the load-balancing statistics of this layer.
+
+        The statistics are (top-k assignments per expert, router probability mass per expert, tokens counted),
+        with padding tokens (token_mask 0) left out; the model combines them over layers into the aux loss.
+        """
+        x_ND = x_BSD.reshape(-1, x_BSD.shape[-1])
+        logits_NE = self.gate(x_ND)
+        probs_NE = F.softmax(logits_NE, dim=-1, dtype=torch.float32)
+        weights_Nk, experts_Nk = torch.topk(probs_NE, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights_Nk = weights_Nk / weights_Nk.sum(dim=-1, keepdim=True)
+        weights_Nk = weights_Nk.to(x_ND.dtype)
+
+        # Sort the (token, expert) pairs by expert so each expert's rows are contiguous for the grouped matmul;
+        # the stable sort keeps each token's experts in ascending order, as transformers adds them.
+        flat_experts = experts_Nk.reshape(-1)
+        order = torch.argsort(flat_experts, stable=True)
+        token_of_row = order // self.top_k
+        counts_E = torch.bincount(flat_experts, minlength=self.num_experts)
+        y = self.experts(x_ND[token_of_row], counts_E, self.ops) * weights_Nk.reshape(-1, 1)[order]
+        out_ND = torch.zeros_like(x_ND).index_add_(0, token_of_row, y)
+
+        if token_mask is None:
+            assigned_E = counts_E.float()
+            prob_mass_E = probs_NE.sum(dim=0)
+            num_tokens = torch.tensor(float(x_ND.shape[0]), device=x_ND.device)
+        else:
+            mask_N = token_mask.reshape(-1).float()
+            assigned_E = torch.zeros(self.num_experts, device=x_ND.device).index_add_(
+                0, flat_experts, mask_N.repeat_interleave(self.top_k)
+            )
+            prob_mass_E = (probs_NE * mask_N.unsqueeze(1)).sum(dim=0)
+            num_tokens = mask_N.sum()
+        return out_ND.view_as(x_BSD), (assigned_E, prob_mass_E, num_tokens)
+
+
+def load_balancing_loss(stats, num_experts: int) -> torch.Tensor:
+    """Switch-Transformer aux loss over all MoE layers, exactly as transformers' load_balancing_loss_func.
+
+    transformers averages assignments and probabilities over (layers x tokens) first and multiplies after,
+    so the per-layer statistics are summed before the product.
+    """
+    assigned = sum(s[0] for s in stats)
+    prob_mass = sum(s[1] for s in stats)
+    rows = sum(s[2] for s in stats)
+    return torch.sum((assigned / rows) * (prob_mass / rows)) * num_experts

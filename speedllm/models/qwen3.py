@@ -1,0 +1,241 @@
+"""Qwen3, dense and MoE, as one readable single-device model (parallelism is applied from outside).
+
+Letters: B batch, S sequence (this step), T keys (cache length after this step), D hidden, H query heads,
+K kv heads, Dh head_dim, V vocabulary, N tokens (B*S).
+
+Module names mirror transformers' Qwen3ForCausalLM without the "model." prefix, so the HF map is a rename.
+A pipeline splitter may set `embed_tokens`, `norm`, `lm_head` to None and delete entries of `layers`:
+forward then takes / returns hidden states.
+"""
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from speedllm.models.moe import MoE, load_balancing_loss
+from speedllm.ops import Ops, get_ops
+from speedllm.ops.loss import chunked_cross_entropy
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, ops: Ops):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """GQA attention with per-head RMSNorm on q and k before RoPE, no biases."""
+
+    def __init__(self, cfg, layer_id: int, ops: Ops):
+        super().__init__()
+        self.layer_id = layer_id
+        self.ops = ops
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        dim = cfg.hidden_size
+        q_dim, kv_dim = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        self.q_proj = nn.Linear(dim, q_dim, bias=False)
+        self.k_proj = nn.Linear(dim, kv_dim, bias=False)
+        self.v_proj = nn.Linear(dim, kv_dim, bias=False)
+        self.o_proj = nn.Linear(q_dim, dim, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
+
+    def forward(self, x_BSD, cos_BSD, sin_BSD, mask, kv_cache=None):
+        B, S, _ = x_BSD.shape
+        q = self.ops.rotary(self.q_norm(self.q_proj(x_BSD).view(B, S, -1, self.head_dim)), cos_BSD, sin_BSD)
+        k = self.ops.rotary(self.k_norm(self.k_proj(x_BSD).view(B, S, -1, self.head_dim)), cos_BSD, sin_BSD)
+        v = self.v_proj(x_BSD).view(B, S, -1, self.head_dim)
+        q_BHSD, k_BKTD, v_BKTD = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if kv_cache is not None:
+            k_BKTD, v_BKTD = kv_cache.update(self.layer_id, k_BKTD, v_BKTD)
+        out_BHSD = self.ops.attention(q_BHSD, k_BKTD, v_BKTD, mask, self.scale)
+        return self.o_proj(out_BHSD.transpose(1, 2).reshape(B, S, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int, ops: Ops):
+        super().__init__()
+        self.ops = ops
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def is_moe_layer(cfg, layer_id: int) -> bool:
+    """transformers' rule: sparse unless listed in mlp_only_layers, every decoder_sparse_step-th layer."""
+    return (
+        cfg.num_experts > 0
+        and layer_id not in cfg.mlp_only_layers
+        and (layer_id + 1) % cfg.decoder_sparse_step == 0
+    )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_id: int, ops: Ops):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = Attention(cfg, layer_id, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.is_moe = is_moe_layer(cfg, layer_id)
+        self.mlp = MoE(cfg, ops) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size, ops)
+
+    def forward(self, x_BSD, cos_BSD, sin_BSD, mask, kv_cache=None, token_mask=None):
+        """Returns the new hidden states and the MoE load-balancing statistics (None for a dense layer)."""
+        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), cos_BSD, sin_BSD, mask, kv_cache)
+        h = self.post_attention_layernorm(x_BSD)
+        if self.is_moe:
+            out, stats = self.mlp(h, token_mask)
+            return x_BSD + out, stats
+        return x_BSD + self.mlp(h), None
+
+
+class Qwen3(nn.Module):
+    """Qwen3 causal LM (dense, or MoE when cfg.num_experts > 0).
+
+    Args:
+        cfg: fields of speedllm.config.schema.ModelConfig (DictConfig or dataclass).
+        ops: op set name (reference | cuda | npu), normally the hardware profile's `ops`.
+    """
+
+    def __init__(self, cfg, ops: str = "reference"):
+        super().__init__()
+        self.cfg = cfg
+        self.ops = get_ops(ops)
+        self.loss_chunk_size = 1024
+        # (hidden_ND, weight_VD, labels_N, chunk_size, cross_entropy) -> ce_sum; tensor parallelism swaps in a
+        # vocabulary-parallel version (speedllm.parallel.tensor) without touching this file.
+        self.output_loss = chunked_cross_entropy
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, self.ops) for i in range(cfg.num_hidden_layers)})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        # RoPE frequencies are a function of the config, not state: computed here on the CPU (as transformers
+        # does) and kept out of the state dict and out of meta-device construction; cos/sin are made per forward.
+        self.inv_freq = 1.0 / (
+            cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device="cpu") / cfg.head_dim)
+        )
+
+    @torch.no_grad()
+    def init_weights(self, seed: Optional[int] = None) -> None:
+        """Normal(0, initializer_range) for every matrix (linear, embedding, router, experts), ones for norms.
+
+        Works on a model built on the meta device and moved with `to_empty(device=...)`.
+        """
+        if seed is not None:
+            torch.manual_seed(seed)
+        std = self.cfg.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+            elif isinstance(module, MoE):
+                for param in module.experts.parameters():
+                    param.normal_(0.0, std)
+
+    def rope(self, position_ids_BS: torch.Tensor, dtype: torch.dtype):
+        """cos/sin tables [B, S, Dh] for the given positions, computed exactly as transformers does."""
+        freqs = position_ids_BS[..., None].float() * self.inv_freq.to(position_ids_BS.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def attention_mask(self, B, S, start, document_ids, attention_mask, kv_cache, device):
+        """None for plain causal attention, else a bool [B, 1, S, T] mask (True = may attend).
+
+        Combines causality (queries sit at positions start..start+S-1), documents of a packed sequence and
+        left padding (this step's attention_mask, remembered by the cache for later steps).
+        """
+        if kv_cache is None and document_ids is None and attention_mask is None:
+            return None
+        T = start + S
+        q_pos = torch.arange(start, T, device=device)[:, None]
+        k_pos = torch.arange(T, device=device)[None, :]
+        mask = (k_pos <= q_pos)[None, None]
+        if document_ids is not None:
+            mask = mask & (document_ids[:, None, :, None] == document_ids[:, None, None, :T])
+        key_mask = None
+        if kv_cache is not None:
+            if attention_mask is not None:
+                kv_cache.key_mask[:, start:T] = attention_mask[:, -S:].bool()
+            key_mask = kv_cache.key_mask[:, :T]
+        elif attention_mask is not None:
+            key_mask = attention_mask.bool()
+        if key_mask is not None:
+            # A padding query would attend to nothing (NaN softmax); letting it see itself keeps it finite,
+            # and its output is never used.
+            mask = (mask & key_mask[:, None, None, :]) | (k_pos == q_pos)
+        return mask.expand(B, 1, S, T)
+
+    def forward(self, tokens, labels=None, position_ids=None, document_ids=None, attention_mask=None, kv_cache=None):
+        """Logits [B, S, V]; or with labels (already shifted, -100 = ignore) the pair (ce_sum, aux_loss).
+
+        Args:
+            tokens: [B, S] token ids, or [B, S, D] hidden states when `embed_tokens` is None (pipeline stage).
+            labels: [B, S]; ce_sum is the fp32 SUM of token cross-entropies (computed in chunks of
+                `loss_chunk_size` tokens), aux_loss the MoE load-balancing loss times router_aux_loss_coef
+                (0 for dense), both over the layers in this module.
+            position_ids: [B, S] RoPE positions (default: consecutive from the cache position).
+            document_ids: [B, S] packed sequences: tokens attend only within their own document.
+            attention_mask: [B, S] (or [B, T]) 1 = token, 0 = left padding.
+            kv_cache: a KVCache; this step's keys/values are written at its position, which then advances.
+        Returns hidden states instead of logits when `lm_head` is None.
+        """
+        h_BSD = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens
+        B, S = h_BSD.shape[:2]
+        start = kv_cache.pos if kv_cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(start, start + S, device=h_BSD.device).expand(B, S)
+        cos_BSD, sin_BSD = self.rope(position_ids, h_BSD.dtype)
+        mask = self.attention_mask(B, S, start, document_ids, attention_mask, kv_cache, h_BSD.device)
+        token_mask = attention_mask[:, -S:] if attention_mask is not None else None
+
+        moe_stats = []
+        for layer in self.layers.values():
+            h_BSD, stats = layer(h_BSD, cos_BSD, sin_BSD, mask, kv_cache, token_mask)
+            if stats is not None:
+                moe_stats.append(stats)
+        if kv_cache is not None:
+            kv_cache.advance(S)
+
+        if self.norm is not None:
+            h_BSD = self.norm(h_BSD)
+        if self.lm_head is None:
+            return h_BSD
+        if labels is None:
+            return self.lm_head(h_BSD)
+        ce_sum = self.output_loss(
+            h_BSD.reshape(B * S, -1), self.lm_head.weight, labels.reshape(-1), self.loss_chunk_size,
+            self.ops.cross_entropy,
+        )
+        aux_loss = torch.zeros((), dtype=torch.float32, device=h_BSD.device)
+        if moe_stats:
+            aux_loss = load_balancing_loss(moe_stats, self.cfg.num_experts) * self.cfg.router_aux_loss_coef
+        return ce_sum, aux_loss
+
+
+def num_params(model: nn.Module, activated: bool = False) -> int:
+    """Parameter count (tied weights once); with activated=True, experts count as top_k / num_experts of them."""
+    total = 0
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            total += param.numel()
+        if activated and isinstance(module, MoE):
+            expert_params = sum(p.numel() for p in module.experts.parameters())
+            total -= expert_params - expert_params * module.top_k // module.num_experts
+    # modules() visits a tied weight under both owners; count it once.
+    head, embed = model.lm_head, model.embed_tokens
+    if head is not None and embed is not None and head.weight is embed.weight:
+        total -= head.weight.numel()
+    return total

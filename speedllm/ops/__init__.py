@@ -1,0 +1,57 @@
+"""Op registry: one signature per op, one implementation set per device family.
+
+The hardware profile's `ops` key (reference | cuda | npu) picks the set; model code only calls `ops.<name>(...)`,
+so a device gets its fused kernels without a fork of the model.
+
+Signatures (letters: B batch, S query length, T key length, H query heads, K kv heads, Dh head_dim,
+N rows, D features, O output features, E experts, V vocabulary):
+  rms_norm(x_ND, weight_D, eps) -> y_ND                    RMSNorm over the last dim, statistics in fp32
+  rotary(x_BSHD, cos_BSD, sin_BSD) -> x_BSHD                RoPE, rotate-half convention (as transformers)
+  attention(q_BHSD, k_BKTD, v_BKTD, mask, scale) -> o_BHSD  GQA; mask None = causal with S == T, otherwise a
+                                                           bool [B, 1, S, T] tensor, True = may attend
+  swiglu(gate, up) -> silu(gate) * up
+  grouped_mm(x_ND, w_EOD, counts_E) -> y_NO                 rows of x grouped by expert in order; group e uses w[e]
+  cross_entropy(logits_NV, labels_N) -> fp32 scalar         SUM over labels != -100
+"""
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+from speedllm.errors import UserError
+
+IMPLEMENTATIONS = ("reference", "cuda", "npu")
+
+
+@dataclass(frozen=True)
+class Ops:
+    """One implementation of every op (plain functions, so a model holding it can be deep-copied)."""
+
+    name: str
+    rms_norm: Callable
+    rotary: Callable
+    attention: Callable
+    swiglu: Callable
+    grouped_mm: Callable
+    cross_entropy: Callable
+
+
+_CACHE = {}
+
+
+def get_ops(name: str) -> Ops:
+    """Return the op set `name` (reference | cuda | npu); the npu set imports torch_npu only here."""
+    if name not in IMPLEMENTATIONS:
+        raise UserError(f"hardware.ops={name!r} is not an op set; choose one of {', '.join(IMPLEMENTATIONS)}")
+    if name not in _CACHE:
+        module = importlib.import_module(f"speedllm.ops.{name}")
+        _CACHE[name] = Ops(
+            name=name,
+            rms_norm=module.rms_norm,
+            rotary=module.rotary,
+            attention=module.attention,
+            swiglu=module.swiglu,
+            grouped_mm=module.grouped_mm,
+            cross_entropy=module.cross_entropy,
+        )
+    return _CACHE[name]

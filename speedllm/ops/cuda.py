@@ -1,0 +1,34 @@
+"""CUDA ops: torch's fused kernels (SDPA flash/efficient attention, fused RMSNorm, grouped GEMM).
+
+Everything here is plain torch, so it also runs (and is tested) on CPU; on a GPU the same calls dispatch to
+the fused kernels.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from speedllm.ops.reference import rotary, swiglu  # torch has no fused kernel for these; the eager form is it
+
+__all__ = ["rms_norm", "rotary", "attention", "swiglu", "grouped_mm", "cross_entropy"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """torch's fused RMSNorm (one kernel forward and backward on CUDA)."""
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def attention(q, k, v, mask, scale):
+    """SDPA: flash attention for the causal case, memory-efficient attention with a mask."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def grouped_mm(x_ND: torch.Tensor, w_EOD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """All experts in one grouped GEMM; offsets are the cumulative row counts (no host sync)."""
+    offsets = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+    return torch._grouped_mm(x_ND, w_EOD.transpose(-2, -1), offs=offsets)
+
+
+def cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits_NV.float(), labels_N, ignore_index=-100, reduction="sum")

@@ -1,0 +1,73 @@
+"""Ascend NPU ops: torch_npu's fused kernels (the ones MindSpeed-LLM uses).
+
+Imported only by `get_ops("npu")`, so the package imports on machines without torch_npu.
+"""
+
+import torch
+
+from speedllm.errors import UserError
+
+try:
+    import torch_npu
+except ImportError as err:
+    raise UserError(
+        f"hardware.ops=npu needs torch_npu ({err}); install the Ascend CANN toolkit and the torch_npu wheel "
+        "matching your torch, or choose hardware.ops=reference"
+    ) from err
+
+from speedllm.ops.reference import cross_entropy  # the fp32 loss is plain torch on every device
+
+__all__ = ["rms_norm", "rotary", "attention", "swiglu", "grouped_mm", "cross_entropy"]
+
+# npu_fusion_attention's causal modes take a compressed 2048 x 2048 upper-triangular mask (True = masked).
+_CAUSAL_MASK = {}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch_npu.npu_rms_norm(x, weight, epsilon=eps)[0]
+
+
+def rotary(x_BSHD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor) -> torch.Tensor:
+    return torch_npu.npu_rotary_mul(x_BSHD, cos_BSD.unsqueeze(2), sin_BSD.unsqueeze(2))
+
+
+def attention(q, k, v, mask, scale):
+    """npu_fusion_attention in BNSD layout; GQA is native (fewer kv heads than query heads)."""
+    if mask is None:
+        if q.device not in _CAUSAL_MASK:
+            _CAUSAL_MASK[q.device] = torch.ones(2048, 2048, dtype=torch.bool, device=q.device).triu(1)
+        atten_mask, sparse_mode = _CAUSAL_MASK[q.device], 2  # 2: left-up causal, S == T
+    else:
+        atten_mask, sparse_mode = ~mask, 0  # 0: the full mask as given
+    return torch_npu.npu_fusion_attention(
+        q, k, v, q.shape[1], "BNSD", atten_mask=atten_mask, scale=scale, sparse_mode=sparse_mode
+    )[0]
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch_npu.npu_swiglu(torch.cat((gate, up), dim=-1), dim=-1)
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    """npu_grouped_matmul forward and backward (group_type 0 splits rows; 2 splits the reduction dim)."""
+
+    @staticmethod
+    def forward(ctx, x_ND, w_EOD, group_list):
+        ctx.save_for_backward(x_ND, w_EOD, group_list)
+        w_t = [w.t() for w in w_EOD.unbind(0)]
+        return torch_npu.npu_grouped_matmul([x_ND], w_t, group_list=group_list, split_item=2, group_type=0)[0]
+
+    @staticmethod
+    def backward(ctx, grad_NO):
+        x_ND, w_EOD, group_list = ctx.saved_tensors
+        grad_x = torch_npu.npu_grouped_matmul(
+            [grad_NO], list(w_EOD.unbind(0)), group_list=group_list, split_item=2, group_type=0
+        )[0]
+        grad_w = torch_npu.npu_grouped_matmul(
+            [grad_NO.t()], [x_ND], group_list=group_list, split_item=3, group_type=2
+        )[0]
+        return grad_x, grad_w.view_as(w_EOD), None
+
+
+def grouped_mm(x_ND: torch.Tensor, w_EOD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    return _GroupedMatmul.apply(x_ND, w_EOD, torch.cumsum(counts_E, dim=0))

@@ -1,0 +1,66 @@
+"""Reference ops: plain torch, written as the math reads; the ground truth every other set is tested against.
+
+`attention` calls torch's scaled_dot_product_attention, whose definition is the formula in `attention_math`:
+on CPU it is several times faster and lighter than the spelled-out version (it never keeps the [S, T] score
+matrix for backward), and it is a plain torch op, so the CPU path stays fast. `attention_math` stays here
+as the written-out formula the tests hold `attention` against.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight, statistics in fp32, the product in the input dtype (as transformers' Qwen3RMSNorm)."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary(x_BSHD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE to x (one head dim per head); cos/sin are broadcast over the heads."""
+    cos, sin = cos_BSD.unsqueeze(2), sin_BSD.unsqueeze(2)
+    return x_BSHD * cos + rotate_half(x_BSHD) * sin
+
+
+def attention(q, k, v, mask, scale):
+    """Causal (mask None) or masked GQA attention through SDPA; see the module docstring."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def attention_math(q, k, v, mask, scale):
+    """softmax(q k^T * scale + mask) v with kv heads repeated for GQA, softmax in fp32."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if mask is None:
+        S, T = q.shape[2], k.shape[2]
+        mask = torch.ones(S, T, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def grouped_mm(x_ND: torch.Tensor, w_EOD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """One matmul per expert over its contiguous block of rows."""
+    blocks = torch.split(x_ND, counts_E.tolist())
+    return torch.cat([block @ w_EOD[e].t() for e, block in enumerate(blocks)])
+
+
+def cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor) -> torch.Tensor:
+    """Sum of -log softmax(logits)[label] over rows whose label is not -100, in fp32."""
+    logits = logits_NV.float()
+    keep = labels_N != -100
+    picked = logits.gather(1, labels_N.clamp(min=0).unsqueeze(1)).squeeze(1)
+    return ((torch.logsumexp(logits, dim=-1) - picked) * keep).sum()

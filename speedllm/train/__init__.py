@@ -1,0 +1,1 @@
+"""Training: the pretrain/SFT loop, optimizer, LR schedules, metrics and fault handling."""

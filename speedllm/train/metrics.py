@@ -1,0 +1,115 @@
+"""Throughput accounting (FLOPs per token, MFU, peak memory) and the rank-0 metric sinks.
+
+FLOPs per trained token (forward + backward = 3x forward, a multiply-add is 2 FLOPs):
+    6 * N_matmul  +  6 * L * H * head_dim * S
+N_matmul counts the weights every token multiplies with: attention q/k/v/o, the MLP (for MoE layers
+the top-k experts' MLPs and the router), and the output projection (tied or not; the embedding lookup
+is not a matmul). The attention term is QK^T and AV (2 matmuls of S x head_dim per head, 2 FLOPs per
+multiply-add, x3 for training), halved because a causal mask leaves on average S/2 keys per query.
+"""
+
+import json
+import resource
+import sys
+from pathlib import Path
+from typing import Dict
+
+import torch
+from omegaconf import DictConfig
+
+
+def is_moe_layer(model: DictConfig, layer: int) -> bool:
+    """transformers' rule for which decoder layers of Qwen3-MoE use experts."""
+    return (model.num_experts > 0 and layer not in model.mlp_only_layers
+            and (layer + 1) % model.decoder_sparse_step == 0)
+
+
+def matmul_params_per_token(model: DictConfig) -> int:
+    """Weights each token is multiplied with in one forward pass (activated experts only)."""
+    h, d = model.hidden_size, model.head_dim
+    attention = h * d * (2 * model.num_attention_heads + 2 * model.num_key_value_heads)
+    total = model.vocab_size * h  # output projection
+    for layer in range(model.num_hidden_layers):
+        if is_moe_layer(model, layer):
+            mlp = model.num_experts_per_tok * 3 * h * model.moe_intermediate_size + h * model.num_experts
+        else:
+            mlp = 3 * h * model.intermediate_size
+        total += attention + mlp
+    return total
+
+
+def flops_per_token(model: DictConfig, seq_len: int) -> float:
+    """Training FLOPs (forward + backward) per token at sequence length `seq_len`, causal attention."""
+    attention = 6 * model.num_hidden_layers * model.num_attention_heads * model.head_dim * seq_len
+    return 6 * matmul_params_per_token(model) + attention
+
+
+def mfu(tokens_per_s: float, flops_per_tok: float, peak_tflops: float, world_size: int) -> float:
+    """Model FLOPs utilization: achieved FLOP/s over the summed peak of all devices."""
+    return tokens_per_s * flops_per_tok / (peak_tflops * 1e12 * world_size)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory of this process: allocator peak on GPU/NPU, peak resident set size on CPU."""
+    if device.type == "cpu":
+        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
+        return kb / 2**20
+    return getattr(torch, device.type).max_memory_allocated(device) / 2**30
+
+
+class MetricsLogger:
+    """Rank 0's sinks: `metrics.jsonl`, TensorBoard event files and a console progress bar with ETA.
+
+    Construct it on every rank; only the main rank writes anything.
+    """
+
+    def __init__(self, run_dir: str, total_steps: int, start_step: int, enabled: bool,
+                 tensorboard: bool = True, progress_bar: bool = True):
+        self.enabled = enabled
+        self.jsonl = self.writer = self.bar = None
+        if not enabled:
+            return
+        run_path = Path(run_dir)
+        run_path.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(run_path / "metrics.jsonl", "a")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(log_dir=str(run_path / "tensorboard"))
+        if progress_bar:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                            dynamic_ncols=True, file=sys.stderr)
+
+    def log(self, step: int, metrics: Dict[str, float], prefix: str = "train") -> None:
+        """Write one record: a jsonl line `{"step", **metrics}` and `<prefix>/<name>` scalars."""
+        if not self.enabled:
+            return
+        record = {"step": step, **({} if prefix == "train" else {"split": prefix}), **metrics}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.writer is not None:
+            for name, value in metrics.items():
+                self.writer.add_scalar(f"{prefix}/{name}", value, step)
+            self.writer.flush()
+        if self.bar is not None:
+            shown = {k: metrics[k] for k in ("loss", "lr", "tokens_per_s", "mfu") if k in metrics}
+            self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
+            self.bar.write(f"[{prefix}] step {step} " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+
+    def message(self, text: str) -> None:
+        """A line on the console of the main rank, without breaking the progress bar."""
+        if self.enabled:
+            (self.bar.write if self.bar is not None else print)(text)
+
+    def advance(self, step: int) -> None:
+        """Move the progress bar to `step` (finished steps)."""
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.writer is not None:
+            self.writer.close()
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,142 @@
+"""Every op implementation runnable here against the reference set; the chunked loss against full logits."""
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from speedllm.errors import UserError
+from speedllm.ops import get_ops, reference
+from speedllm.ops.loss import chunked_cross_entropy
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+IMPLS = ["cuda"] + (["npu"] if importlib.util.find_spec("torch_npu") else [])
+
+
+def check(impl_fn, ref_fn, inputs, atol):
+    """Outputs and input gradients of impl_fn equal ref_fn's within atol."""
+    a_in = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    b_in = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    a, b = impl_fn(*a_in), ref_fn(*b_in)
+    assert (a.float() - b.float()).abs().max() <= atol
+    grad = torch.randn_like(a)
+    a.backward(grad)
+    b.backward(grad)
+    for x, y in zip(a_in, b_in):
+        if x.is_floating_point():
+            assert (x.grad.float() - y.grad.float()).abs().max() <= atol
+
+
+def rand(*shape, device="cpu"):
+    return torch.randn(*shape, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_elementwise_ops_match_reference(impl, device):
+    ops = get_ops(impl)
+    check(lambda x, w: ops.rms_norm(x, w, 1e-6), lambda x, w: reference.rms_norm(x, w, 1e-6),
+          [rand(2, 5, 3, 64, device=device), rand(64, device=device)], 1e-5)
+    cos, sin = rand(2, 5, 64, device=device), rand(2, 5, 64, device=device)
+    check(lambda x: ops.rotary(x, cos, sin), lambda x: reference.rotary(x, cos, sin),
+          [rand(2, 5, 3, 64, device=device)], 1e-5)
+    check(ops.swiglu, reference.swiglu, [rand(4, 7, 48, device=device), rand(4, 7, 48, device=device)], 1e-5)
+
+
+def attention_cases(device):
+    """(q, k, v, mask): causal, packed documents with padding, and cached decode where S < T."""
+    B, H, K, S, Dh = 2, 4, 2, 12, 16
+    docs = torch.tensor([[0] * 5 + [1] * 7, [0] * 12], device=device)
+    pos = torch.arange(S, device=device)
+    doc_mask = (pos[None, :] <= pos[:, None]) & (docs[:, None, :, None] == docs[:, None, None, :])
+    doc_mask[1, :, :, :3] = False
+    doc_mask |= torch.eye(S, dtype=torch.bool, device=device)
+    decode_mask = torch.ones(B, 1, 3, S, dtype=torch.bool, device=device)
+    decode_mask[0, :, :, :4] = False
+    kv = lambda: (rand(B, K, S, Dh, device=device), rand(B, K, S, Dh, device=device))  # noqa: E731
+    return [
+        (rand(B, H, S, Dh, device=device), *kv(), None),
+        (rand(B, H, S, Dh, device=device), *kv(), doc_mask),
+        (rand(B, H, 3, Dh, device=device), *kv(), decode_mask),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reference_attention_is_the_written_formula(device):
+    for q, k, v, mask in attention_cases(device):
+        fn = lambda q, k, v: reference.attention(q, k, v, mask, 0.25)  # noqa: E731
+        math = lambda q, k, v: reference.attention_math(q, k, v, mask, 0.25)  # noqa: E731
+        check(fn, math, [q, k, v], 1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_attention_matches_reference(impl, device):
+    ops = get_ops(impl)
+    for q, k, v, mask in attention_cases(device):
+        check(lambda q, k, v: ops.attention(q, k, v, mask, 0.25),
+              lambda q, k, v: reference.attention_math(q, k, v, mask, 0.25), [q, k, v], 1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", ["reference"] + IMPLS)
+def test_grouped_mm_matches_per_expert_matmul(impl, device):
+    counts = torch.tensor([3, 0, 6, 1], device=device)  # an expert with no tokens too
+    x, w = rand(10, 16, device=device), rand(4, 8, 16, device=device)
+
+    def per_expert(x, w):
+        rows = torch.arange(10, device=device)
+        expert_of_row = torch.repeat_interleave(torch.arange(4, device=device), counts)
+        return torch.stack([w[expert_of_row[r]] @ x[r] for r in rows.tolist()])
+
+    check(lambda x, w: get_ops(impl).grouped_mm(x, w, counts), per_expert, [x, w], 1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", ["reference"] + IMPLS)
+def test_cross_entropy_is_sum_ignoring_minus_100(impl, device):
+    labels = torch.tensor([3, -100, 0, 9, -100, 4], device=device)
+    expected = lambda logits: F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")  # noqa: E731
+    check(lambda logits: get_ops(impl).cross_entropy(logits, labels), expected, [rand(6, 10, device=device)], 1e-5)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 64])
+def test_chunked_loss_equals_full_logits(chunk_size):
+    hidden, weight = rand(23, 16), rand(50, 16)
+    labels = torch.randint(0, 50, (23,))
+    labels[[2, 7, 8]] = -100
+    full = lambda h, w: F.cross_entropy(h @ w.t(), labels, ignore_index=-100, reduction="sum")  # noqa: E731
+    check(lambda h, w: chunked_cross_entropy(h, w, labels, chunk_size, reference.cross_entropy), full,
+          [hidden, weight], 1e-4)
+    with torch.no_grad():  # the evaluation path, through the op set's cross_entropy
+        loss = chunked_cross_entropy(hidden, weight, labels, chunk_size, reference.cross_entropy)
+        assert abs(loss - full(hidden, weight)) <= 1e-4
+
+
+def test_chunked_loss_keeps_no_full_logits():
+    """What the loss keeps for backward is the gradients of hidden and weight, not N x V logits."""
+    hidden, weight = rand(512, 8).requires_grad_(), rand(4096, 8).requires_grad_()
+    labels = torch.randint(0, 4096, (512,))
+    loss = chunked_cross_entropy(hidden, weight, labels, 64, reference.cross_entropy)
+    assert sorted(t.shape for t in loss.grad_fn.saved_tensors) == [hidden.shape, weight.shape]
+
+
+def test_npu_ops_need_torch_npu_only_when_selected():
+    code = (
+        "import sys, speedllm.ops, speedllm.models\n"
+        "from speedllm.errors import UserError\n"
+        "assert 'torch_npu' not in sys.modules\n"
+        "try:\n    speedllm.ops.get_ops('npu')\nexcept UserError as e:\n    print(e)\n"
+    )
+    if importlib.util.find_spec("torch_npu"):
+        pytest.skip("torch_npu is installed here")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "hardware.ops=npu needs torch_npu" in out and "\n" == out[-1] and out.count("\n") == 1
+
+
+def test_unknown_op_set_is_a_user_error():
+    with pytest.raises(UserError, match="hardware.ops='triton'.*reference, cuda, npu"):
+        get_ops("triton")
