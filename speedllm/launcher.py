@@ -160,7 +160,8 @@ def freeze_and_run(cfg: DictConfig) -> None:
     OmegaConf.resolve(cfg)
     frozen = write_frozen(cfg, Path(cfg.run_dir))
     if world == 1 or cfg.task.name in IN_PROCESS_TASKS:
-        run_task(cfg, init_runtime(cfg, distributed=False))
+        # planning targets devices this machine may lack: it gets a plain CPU runtime
+        run_task(cfg, Runtime() if cfg.task.name == "plan" else init_runtime(cfg, distributed=False))
     else:
         _spawn(cfg, frozen, nproc)
 
@@ -185,6 +186,8 @@ def worker_main(frozen: str) -> None:
     rt = init_runtime(cfg)
     try:
         run_task(cfg, rt)
+        if dist.is_initialized():
+            dist.barrier()  # no rank tears its process groups down while a peer may still talk to it
     except UserError as e:
         print(f"error: [rank {rt.rank}] {e}", file=sys.stderr)
         sys.exit(2)

@@ -59,7 +59,7 @@ class ParallelConfig:
     fsdp: bool = True  # shard params/grads/optimizer over dp (FSDP2); False replicates (DDP-like)
     reshard_after_forward: bool = True  # ZeRO-3-like; False keeps gathered params (ZeRO-2-like)
     sequence_parallel: bool = True  # with tp > 1
-    pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | InterleavedZeroBubble
+    pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | InterleavedZeroBubble | ZBVZeroBubble (vpp=2)
     pp_microbatches: int = 0  # 0: one per pipeline stage
     pp_layers: Optional[List[int]] = None  # explicit layers per stage; None splits evenly
 

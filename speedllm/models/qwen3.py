@@ -157,8 +157,8 @@ class Qwen3(nn.Module):
         Combines causality (queries sit at positions start..start+S-1), documents of a packed sequence and
         left padding (this step's attention_mask, remembered by the cache for later steps).
         """
-        if kv_cache is None and document_ids is None and attention_mask is None:
-            return None
+        if document_ids is None and attention_mask is None and start == 0:
+            return None  # plain causal, S == T (a fresh cache's key_mask is all True)
         T = start + S
         q_pos = torch.arange(start, T, device=device)[:, None]
         k_pos = torch.arange(T, device=device)[None, :]

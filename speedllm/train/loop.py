@@ -103,8 +103,6 @@ def forward_backward(model: nn.Module, micro_batches: List[dict], num_targets: t
     """
     from torch.distributed.fsdp import FSDPModule
 
-    if getattr(model, "pipeline", None) is not None:
-        return model.pipeline.forward_backward(micro_batches, num_targets, dp_size)
     ce_total = aux_total = torch.zeros((), device=num_targets.device)
     num_micro = len(micro_batches)
     for i, mb in enumerate(micro_batches):
@@ -266,4 +264,7 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
     finally:
         logger.close()
     if step >= t.steps and cfg.generate.num_samples > 0:
-        print_samples(model, cfg, rt.is_main)
+        if getattr(model, "pipeline", None) is None:
+            print_samples(model, cfg, rt.is_main)
+        elif rt.is_main:
+            print("samples skipped: generation does not run on pipeline stages (parallel.pp > 1)")

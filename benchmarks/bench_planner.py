@@ -1,0 +1,102 @@
+"""The planner's tables for BENCHMARKS.md: MindSpeed-LLM's published Qwen3 layouts against the planner's own
+choice, and predicted against measured memory of the tiny models on this CPU.
+
+    python benchmarks/bench_planner.py            # both tables (the measured one spawns 2-rank CPU runs)
+    python benchmarks/bench_planner.py --no-measure
+"""
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from speedllm.config.schema import ROOT, HardwareConfig, ModelConfig  # noqa: E402
+from speedllm.planner.layout import Layout, layout_from_config  # noqa: E402
+from speedllm.planner.measure import compose_config, measure_layout, measure_training_step  # noqa: E402
+from speedllm.planner.memory import GIB, rank_params  # noqa: E402
+from speedllm.planner.search import Planner, Problem, problem_from_config  # noqa: E402
+
+# model, NPUs, hardware, degrees, micro / global batch, stated recompute (shared/reference/qwen3.md)
+MINDSPEED = [
+    ("qwen3_0.6b", 8, "npu_a2", dict(tp=1, pp=1), 1, 32, None),
+    ("qwen3_1.7b", 8, "npu_a2", dict(tp=1, pp=1), 1, 32, None),
+    ("qwen3_4b", 8, "npu_a2", dict(tp=1, pp=1), 1, 64, None),
+    ("qwen3_8b", 8, "npu_a2", dict(tp=1, pp=2), 1, 64, None),
+    ("qwen3_8b", 16, "npu_a3", dict(tp=2, pp=1), 1, 64, None),
+    ("qwen3_14b", 8, "npu_a2", dict(tp=8, pp=1), 4, 128, None),
+    ("qwen3_32b", 16, "npu_a2", dict(tp=8, pp=2, vpp=8), 2, 256, None),
+    ("qwen3_30b_a3b", 16, "npu_a2", dict(tp=1, pp=2, ep=8), 1, 256, "full"),
+    ("qwen3_235b_a22b", 256, "npu_a2", dict(tp=1, pp=4, vpp=8, ep=32), 1, 1024, "full"),
+]
+MEASURED = [("qwen3_tiny", "single", 1), ("qwen3_tiny", "fsdp2", 2), ("qwen3_moe_tiny", "fsdp2", 2),
+            ("qwen3_tiny", "tp2", 2), ("qwen3_tiny", "pp2", 2)]
+COMMON = ["hardware=cpu", "train.seq_len=128", "train.micro_batch_size=2", "train.global_batch_size=4",
+          "train.loss_chunk_size=256"]
+
+
+def load(group, name, schema):
+    return OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.load(ROOT / "conf" / group / f"{name}.yaml"))
+
+
+def mindspeed_table() -> None:
+    print("| model | devices | MindSpeed layout (recompute) | GiB/dev | est. tokens/s | planner's choice | GiB/dev | "
+          "est. tokens/s | search s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, world, hw_name, degrees, micro, global_batch, recompute in MINDSPEED:
+        model = load("model", name, ModelConfig)
+        model.tokenizer = "unused"
+        start = time.perf_counter()
+        planner = Planner(Problem(model, load("hardware", hw_name, HardwareConfig), world, 4096, global_batch))
+        dp = world // (degrees.get("tp", 1) * degrees.get("pp", 1))
+        schedule = "Interleaved1F1B" if degrees.get("vpp", 1) > 1 else "1F1B"
+        for policy in [recompute] if recompute else ["none", "selective", "full"]:
+            theirs = planner.estimate(Layout(dp=dp, micro_batch=micro, recompute=policy, schedule=schedule, **degrees))
+            if theirs.fits:
+                break
+        best = planner.search().best
+        seconds = time.perf_counter() - start  # meta model build + search
+        print(f"| {name} | {world} x {hw_name} | {theirs.layout.short()} | {theirs.memory.total / GIB:.1f}"
+              f"{'' if theirs.fits else ' (too big)'} | {theirs.tokens_per_s:,.0f} | {best.layout.short()} | "
+              f"{best.memory.total / GIB:.1f} | {best.tokens_per_s:,.0f} | {seconds:.1f} |")
+
+
+def measured_table() -> None:
+    print("| model | layout | rank | params held (= predicted) | measured peak MiB | predicted MiB | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for model, parallel, world in MEASURED:
+        overrides = [f"model={model}", f"parallel={parallel}", *COMMON]
+        cfg = compose_config(overrides)
+        cfg.parallel.dp = world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
+        with tempfile.TemporaryDirectory() as out:
+            if world == 1:
+                from speedllm.runtime import Runtime
+
+                cfg.run_dir = out
+                records = [measure_training_step(cfg, Runtime())]
+            else:
+                records = measure_layout(overrides, world, out)
+        planner = Planner(problem_from_config(cfg, world))
+        layout = layout_from_config(cfg.parallel, cfg.train)
+        memories = planner.rank_memories(layout, cfg.parallel.pp_layers)
+        split = planner.split(layout, cfg.parallel.pp_layers)
+        for rec in records:
+            mem = memories[rec["pp_rank"]]
+            held = rank_params(planner.mt, layout, split, rec["pp_rank"]).sharded
+            same = "yes" if rec["held"] == held else f"NO ({held})"
+            print(f"| {model} | {parallel} | {rec['rank']} | {rec['held']:,} ({same}) | {rec['peak'] / 2**20:.1f} | "
+                  f"{mem.total / 2**20:.1f} | {mem.total / rec['peak']:.3f} |")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--no-measure", action="store_true", help="only the MindSpeed table")
+    args = parser.parse_args()
+    mindspeed_table()
+    if not args.no_measure:
+        print()
+        measured_table()

@@ -1,0 +1,126 @@
+"""task=convert: an HF directory to a DCP checkpoint, and any of our checkpoints back to an HF directory.
+
+    python launch.py task=convert checkpoint.load_hf=<HF dir> convert.to=dcp convert.out=<dir>
+    python launch.py task=convert checkpoint.load=<checkpoint dir> convert.to=hf convert.out=<dir>
+
+Both run in one process on the CPU. Our checkpoints are layout-free, so a checkpoint saved under any parallel
+layout converts the same way. The DCP checkpoint written here is laid out like a training checkpoint
+(<out>/step_00000000 + `latest`) and holds the model only (no optimizer state); the HF directory's
+config.json, generation_config.json and tokenizer files are kept under step_00000000/hf/ so that the way
+back reproduces them exactly.
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from omegaconf import DictConfig, OmegaConf
+
+from speedllm.checkpoint.dcp import LATEST, _quiet_dcp, resolve_load, step_dir_name
+from speedllm.checkpoint.hf import (DTYPES, check_hf_files, copy_tokenizer, has_tokenizer, hf_model_fields,
+                                    read_hf_config, weight_files, write_hf_dir)
+from speedllm.errors import UserError
+from speedllm.models.hf_adapter import from_hf_state_dict
+
+HF_SUBDIR = "hf"
+
+
+def _dtype(cfg: DictConfig):
+    if cfg.convert.dtype is None:
+        return None
+    if cfg.convert.dtype not in DTYPES:
+        raise UserError(f"convert.dtype={cfg.convert.dtype} is not one of {', '.join(DTYPES)}; pick one of them "
+                        "or leave it unset to keep the checkpoint's dtype")
+    return DTYPES[cfg.convert.dtype]
+
+
+def hf_to_dcp(path: str, out: str, cfg: DictConfig) -> Path:
+    """Convert the HF directory `path` into a model-only DCP checkpoint under `out`; return its step directory."""
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    from speedllm.config.schema import ASSETS, ModelConfig
+
+    out_root = Path(out)
+    if out_root.exists() and any(out_root.iterdir()):
+        raise UserError(f"convert.out={out} exists and is not empty; choose a new directory or remove it")
+    read_hf_config(path)
+    final = out_root / step_dir_name(0)
+    # without tokenizer files of its own, a Qwen3 checkpoint goes with the bundled Qwen3 tokenizer
+    tokenizer = str(final / HF_SUBDIR) if has_tokenizer(path) else str(ASSETS / "tokenizers" / "qwen3")
+    model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig),
+                                {"name": Path(path).resolve().name, "tokenizer": tokenizer, **hf_model_fields(path)})
+    files = weight_files(path)
+    check_hf_files(path, model_cfg, files)
+
+    hf_state = {}
+    for file in tqdm(sorted(set(files.values())), desc="reading safetensors", unit="file",
+                     disable=not cfg.logging.progress_bar):
+        with safe_open(str(file), framework="pt") as reader:
+            hf_state.update({name: reader.get_tensor(name) for name in reader.keys() if name in files})
+    state = from_hf_state_dict(hf_state, model_cfg)
+    dtype = _dtype(cfg)
+    if dtype is not None:
+        state = {name: tensor.to(dtype) for name, tensor in state.items()}
+
+    tmp = out_root / f".{final.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with _quiet_dcp():
+        dcp.save({"model": state}, checkpoint_id=str(tmp), no_dist=True)
+    (tmp / HF_SUBDIR).mkdir()
+    for name in ("config.json", "generation_config.json"):
+        if (Path(path) / name).is_file():
+            shutil.copy2(Path(path) / name, tmp / HF_SUBDIR / name)
+    copy_tokenizer(path, tmp / HF_SUBDIR)
+    saved = OmegaConf.to_container(cfg, resolve=True)
+    saved["model"] = OmegaConf.to_container(model_cfg, resolve=True)
+    saved["data"]["tokenizer"] = tokenizer
+    OmegaConf.save(OmegaConf.create(saved), tmp / "config.yaml")
+    os.replace(tmp, final)
+    (out_root / LATEST).write_text(final.name + "\n")
+    return final
+
+
+def dcp_to_hf(load: str, out: str, cfg: DictConfig) -> Path:
+    """Export the model of checkpoint `load` (a step directory or a root with `latest`) as an HF directory."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    ckpt = resolve_load(load, cfg.checkpoint.dir)
+    if not (ckpt / "config.yaml").is_file():
+        raise UserError(f"checkpoint.load={load}: {ckpt} has no config.yaml, so its model is unknown; point it at "
+                        "a checkpoint written by SpeedLLM")
+    saved = OmegaConf.load(ckpt / "config.yaml")
+    metadata = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    tensors = {key.removeprefix("model."): (tuple(meta.size), meta.properties.dtype)
+               for key, meta in metadata.items() if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+
+    def fetch(names):
+        state = {"model": {n: torch.empty(tensors[n][0], dtype=tensors[n][1]) for n in names}}
+        with _quiet_dcp():
+            dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+        return state["model"]
+
+    # The original HF files: kept inside a converted checkpoint, or the directory a training run started from.
+    source = ckpt / HF_SUBDIR
+    if not source.is_dir():
+        load_hf = OmegaConf.select(saved, "checkpoint.load_hf")
+        source = Path(load_hf) if load_hf is not None and Path(load_hf).is_dir() else None
+    return write_hf_dir(out, saved.model, tensors, fetch, cfg.convert.max_shard_size, _dtype(cfg),
+                        str(source) if source is not None else None, OmegaConf.select(saved, "data.tokenizer"),
+                        cfg.logging.progress_bar)
+
+
+def run(cfg: DictConfig, rt) -> None:
+    """task=convert (one process): convert.to=dcp reads checkpoint.load_hf, convert.to=hf reads checkpoint.load."""
+    if cfg.convert.to == "dcp":
+        written = hf_to_dcp(cfg.checkpoint.load_hf, cfg.convert.out, cfg)
+    else:
+        written = dcp_to_hf(cfg.checkpoint.load, cfg.convert.out, cfg)
+    index = written / "model.safetensors.index.json"
+    shards = len(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else 0
+    print(f"convert: wrote {written}" + (f" ({shards} safetensors shard(s))" if shards else ""))

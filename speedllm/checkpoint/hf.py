@@ -1,0 +1,351 @@
+"""Hugging Face checkpoints in and out.
+
+In: `load_hf_weights(model, dir)` fills a model in any parallel layout from an HF directory (config.json,
+one or many *.safetensors, model.safetensors.index.json). Every tensor of this rank's state dict (a plain
+tensor, or a DTensor under FSDP2 / TP / EP, a subset of layers on a pipeline stage) is read as exactly the
+slice this rank holds, straight from the safetensors files: no rank reads a whole model.
+
+Out: `write_hf_dir(...)` writes sharded safetensors (per-expert names, no lm_head when tied), the index,
+config.json, generation_config.json and the tokenizer files, into a temp directory renamed when complete.
+
+Names follow speedllm.models.hf_adapter (the one name map); the files are checked against the shapes the
+config implies before anything is read, so a bad directory fails with the tensor named, not mid-load.
+"""
+
+import json
+import os
+import re
+import shutil
+from contextlib import ExitStack
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from speedllm.errors import UserError
+from speedllm.models.hf_adapter import hf_config, model_config_from_hf, to_hf_state_dict
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+INDEX = "model.safetensors.index.json"
+# Fields that change what the weights compute; the others (initializer_range, router_aux_loss_coef,
+# max_position_embeddings) are training choices a run may set differently from the checkpoint.
+ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings",
+               "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+               "decoder_sparse_step", "mlp_only_layers")
+OTHER_FIELDS = ("max_position_embeddings", "initializer_range", "router_aux_loss_coef")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+def read_hf_config(path: str) -> dict:
+    """config.json of an HF model directory, after checking that it is a Qwen3 / Qwen3-MoE causal LM."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise UserError(f"checkpoint.load_hf={path}: no config.json there; point it at a Hugging Face model "
+                        "directory (config.json + *.safetensors)")
+    try:
+        config = json.loads(config_file.read_text())
+    except ValueError as e:
+        raise UserError(f"checkpoint.load_hf={path}: config.json is not valid JSON ({e}); fix or replace it") from None
+    archs = config.get("architectures") or []
+    unsupported = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+    if unsupported:
+        raise UserError(f"checkpoint.load_hf={path}: config.json architectures {unsupported} is not supported; "
+                        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return config
+
+
+def _model_defaults() -> dict:
+    from speedllm.config.schema import ModelConfig
+
+    return {f.name: f.default_factory() if f.default_factory is not MISSING else f.default for f in fields(ModelConfig)}
+
+
+def hf_model_fields(path: str) -> dict:
+    """Every architecture field of our ModelConfig, from an HF directory's config.json (dense: MoE fields 0)."""
+    defaults = _model_defaults()
+    found = model_config_from_hf(read_hf_config(path))
+    return {key: found.get(key, defaults[key]) for key in ARCH_FIELDS + OTHER_FIELDS}
+
+
+def hf_model_field(path: Optional[str], key: str):
+    """Resolver behind conf/model/hf.yaml: `${hf_model:${checkpoint.load_hf},hidden_size}`."""
+    if path is None:
+        raise UserError("model=hf takes the model from checkpoint.load_hf's config.json; set "
+                        "checkpoint.load_hf=<HF model dir>")
+    return hf_model_fields(path)[key]
+
+
+def config_mismatches(model_cfg, path: str) -> List[str]:
+    """`field (file vs model)` for each architecture field where config.json and the model config differ."""
+    hf = hf_model_fields(path)
+    ours = {key: getattr(model_cfg, key) for key in ARCH_FIELDS}
+    ours["mlp_only_layers"] = list(ours["mlp_only_layers"])
+    return [f"{key} ({hf[key]} vs {value})" for key, value in ours.items() if hf[key] != value]
+
+
+# ----------------------------------------------------------------------------------------- reading
+
+def weight_files(path: str) -> Dict[str, Path]:
+    """HF tensor name -> the safetensors file holding it (from the index, else from every *.safetensors)."""
+    root = Path(path)
+    index = root / INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        absent = {file for file in weight_map.values() if not (root / file).is_file()}
+        if absent:
+            raise UserError(f"checkpoint.load_hf={path}: {INDEX} names shard(s) that are not there: "
+                            f"{_names(absent)}; copy the whole directory")
+        return {name: root / file for name, file in weight_map.items()}
+    from safetensors import safe_open
+
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"checkpoint.load_hf={path}: no *.safetensors there; save the model with "
+                        "save_pretrained(safe_serialization=True) (the default)")
+    names = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as reader:
+            names.update({name: file for name in reader.keys()})
+    return names
+
+
+def expected_hf_shapes(model_cfg) -> Dict[str, Tuple[int, ...]]:
+    """HF tensor name -> shape, for the whole model the config describes (built on the meta device)."""
+    from speedllm.models.qwen3 import Qwen3
+
+    with torch.device("meta"):
+        model = Qwen3(model_cfg)
+    return {name: tuple(t.shape) for name, t in to_hf_state_dict(model.state_dict(), model_cfg).items()}
+
+
+def _names(items: Iterable[str], limit: int = 5) -> str:
+    items = sorted(items)
+    more = f" (and {len(items) - limit} more)" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+def check_hf_files(path: str, model_cfg, files: Dict[str, Path]) -> None:
+    """Every tensor the config implies is there with its shape, and nothing else (reads headers only)."""
+    from safetensors import safe_open
+
+    expected = expected_hf_shapes(model_cfg)
+    missing = expected.keys() - files.keys()
+    if missing:
+        raise UserError(f"checkpoint.load_hf={path}: {len(missing)} tensor(s) missing: {_names(missing)}; the "
+                        "directory does not hold every weight its config.json describes")
+    unexpected = {n for n in files.keys() - expected.keys() if not n.endswith("rotary_emb.inv_freq")}
+    if unexpected:
+        raise UserError(f"checkpoint.load_hf={path}: unexpected tensor(s) {_names(unexpected)} are not part of "
+                        "the model its config.json describes; fix config.json or remove them")
+    for file in sorted(set(files.values())):
+        with safe_open(str(file), framework="pt") as reader:
+            for name in reader.keys():
+                if name not in expected:
+                    continue
+                actual = tuple(reader.get_slice(name).get_shape())
+                if actual != expected[name]:
+                    raise UserError(f"checkpoint.load_hf={path}: tensor {name} in {file.name} has shape "
+                                    f"{list(actual)} but config.json implies {list(expected[name])}")
+
+
+def _local_slices(tensor: torch.Tensor) -> Tuple[slice, ...]:
+    """The block of the global tensor this rank holds (all of it for a plain tensor)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(tensor, DTensor):
+        return tuple(slice(0, n) for n in tensor.shape)
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def _sources(name: str, shape, model_cfg) -> List[str]:
+    """The HF tensors one of our tensors is made of (one, or one per expert stacked on dim 0)."""
+    if name == "lm_head.weight" and model_cfg.tie_word_embeddings:
+        return ["model.embed_tokens.weight"]
+    return list(to_hf_state_dict({name: torch.empty(shape, device="meta")}, model_cfg))
+
+
+def _modules(model) -> List[nn.Module]:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+@torch.no_grad()
+def load_hf_weights(model, path: str) -> None:
+    """Load an HF Qwen3 / Qwen3-MoE directory into `model` in place, whatever its parallel layout.
+
+    Args:
+        model: a Qwen3 (possibly FSDP2/TP-wrapped, or a pipeline stage holding some layers), or a list of
+            them (several pipeline chunks on this rank); its `cfg` must match the directory's config.json.
+        path: HF model directory.
+    Each tensor is read as this rank's slice only and converted to the parameter's dtype.
+    """
+    from safetensors import safe_open
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    modules = _modules(model)
+    model_cfg = modules[0].cfg
+    read_hf_config(path)
+    files = weight_files(path)
+    check_hf_files(path, model_cfg, files)
+    with ExitStack() as stack:
+        readers = {}
+
+        def read(hf_name: str, index: Tuple[slice, ...]) -> torch.Tensor:
+            file = files[hf_name]
+            if file not in readers:
+                readers[file] = stack.enter_context(safe_open(str(file), framework="pt"))
+            return readers[file].get_slice(hf_name)[index]
+
+        for module in modules:
+            state = get_model_state_dict(module)
+            for name, target in state.items():
+                index = _local_slices(target)
+                local = target.to_local() if isinstance(target, DTensor) else target
+                sources = _sources(name, target.shape, model_cfg)
+                if len(sources) == 1:
+                    value = read(sources[0], index)
+                else:  # stacked experts [E, out, in]: this rank's experts, each its own HF tensor
+                    value = torch.stack([read(sources[e], index[1:]) for e in range(index[0].start, index[0].stop)])
+                local.copy_(value)
+            set_model_state_dict(module, state)
+
+
+# ----------------------------------------------------------------------------------------- writing
+
+def parse_size(text) -> int:
+    """'5GB', '500MB', '2GiB', '100KB' or a number of bytes -> bytes (GB = 10^9, GiB = 2^30, as transformers)."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(text))
+    if not match or match.group(2).upper() not in units:
+        raise UserError(f"convert.max_shard_size={text} is not a size; use e.g. 5GB, 500MB or a number of bytes")
+    return int(float(match.group(1)) * units[match.group(2).upper()])
+
+
+def _layer_order(name: str):
+    """Model order: embeddings, layers by number, final norm, lm_head (not the string order of 'layers.10')."""
+    match = re.match(r"layers\.(\d+)\.", name)
+    if match:
+        return (1, int(match.group(1)), name)
+    return (0 if name.startswith("embed_tokens") else 2 if name.startswith("norm") else 3, 0, name)
+
+
+def plan_shards(tensors: Dict[str, Tuple[tuple, torch.dtype]], max_bytes: int) -> List[List[str]]:
+    """Group our tensor names into shards of at most max_bytes each (a larger tensor gets a shard of its own)."""
+    shards, current, size = [], [], 0
+    for name in sorted(tensors, key=_layer_order):
+        shape, dtype = tensors[name]
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        if current and size + nbytes > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _config_json(model_cfg, source: Optional[Path], dtype: torch.dtype) -> dict:
+    """The source's own config.json when it describes this model (every field kept), else one from our config."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    if source is not None and (source / "config.json").is_file() and not config_mismatches(model_cfg, str(source)):
+        config = json.loads((source / "config.json").read_text())
+    else:
+        hf = hf_config(model_cfg)
+        hf.architectures = [SUPPORTED_ARCHITECTURES[1 if model_cfg.num_experts > 0 else 0]]
+        config = hf.to_dict()
+    config["torch_dtype" if "torch_dtype" in config else "dtype"] = dtype_name
+    return config
+
+
+def _generation_config_json(config: dict, source: Optional[Path]) -> dict:
+    if source is not None and (source / "generation_config.json").is_file():
+        return json.loads((source / "generation_config.json").read_text())
+    return {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(key) is not None}
+
+
+def write_hf_dir(out: str, model_cfg, tensors: Dict[str, Tuple[tuple, torch.dtype]],
+                 fetch: Callable[[List[str]], Dict[str, torch.Tensor]], max_shard_size="5GB",
+                 dtype: Optional[torch.dtype] = None, source: Optional[str] = None,
+                 tokenizer: Optional[str] = None, progress: bool = True) -> Path:
+    """Write an HF model directory that `transformers.AutoModelForCausalLM.from_pretrained` loads.
+
+    Args:
+        tensors: our state-dict name -> (shape, dtype), the whole model.
+        fetch: loads a list of our names as full tensors (called once per shard, so memory stays ~one shard).
+        dtype: dtype of the written weights (None: each tensor's own).
+        source: directory with the original config.json / generation_config.json / tokenizer files, reused
+            verbatim when it describes this model.
+        tokenizer: tokenizer directory, when `source` has no tokenizer files.
+    Written to `.<out>.tmp` and renamed to `out` when complete; `out` must not exist or be empty.
+    """
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    out_path = Path(out)
+    if out_path.exists() and any(out_path.iterdir()):
+        raise UserError(f"convert.out={out} exists and is not empty; choose a new directory or remove it")
+    tmp = out_path.parent / f".{out_path.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if model_cfg.tie_word_embeddings:
+        tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+    tensors = {k: (shape, dtype or t_dtype) for k, (shape, t_dtype) in tensors.items()}
+    shards = plan_shards(tensors, parse_size(max_shard_size))
+    total = sum(torch.Size(s).numel() * d.itemsize for s, d in tensors.values())
+    weight_map = {}
+    with tqdm(total=total, unit="B", unit_scale=True, desc="writing safetensors", disable=not progress) as bar:
+        for i, names in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            ours = {k: v.to(tensors[k][1]) for k, v in fetch(names).items()}
+            # unbound experts share their stack's storage, which safetensors refuses: give each its own
+            shard = {k: v.detach().to("cpu").clone() for k, v in to_hf_state_dict(ours, model_cfg).items()}
+            save_file(shard, str(tmp / file), metadata={"format": "pt"})
+            weight_map.update({name: file for name in shard})
+            bar.update(sum(torch.Size(tensors[k][0]).numel() * tensors[k][1].itemsize for k in names))
+    (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+    source_path = Path(source) if source is not None else None
+    config = _config_json(model_cfg, source_path, tensors["embed_tokens.weight"][1])
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (tmp / "generation_config.json").write_text(json.dumps(_generation_config_json(config, source_path),
+                                                           indent=2, sort_keys=True) + "\n")
+    copy_tokenizer(source if source_path and has_tokenizer(source) else tokenizer, tmp)
+    if out_path.exists():
+        out_path.rmdir()  # empty (checked above)
+    os.replace(tmp, out_path)
+    return out_path
+
+
+def has_tokenizer(path: Optional[str]) -> bool:
+    return path is not None and any((Path(path) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def copy_tokenizer(src: Optional[str], dst: Path) -> None:
+    """Copy the tokenizer files of `src` (an HF model or tokenizer directory) into `dst`."""
+    if src is None:
+        return
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copy2(Path(src) / name, dst / name)
+
+
+def export_model(model: nn.Module, out: str, max_shard_size="5GB", dtype: Optional[torch.dtype] = None,
+                 source: Optional[str] = None, tokenizer: Optional[str] = None, progress: bool = True) -> Path:
+    """Write a single-process (unsharded) Qwen3 as an HF directory; see write_hf_dir."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = get_model_state_dict(model)
+    tensors = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+    return write_hf_dir(out, model.cfg, tensors, lambda names: {k: state[k] for k in names}, max_shard_size,
+                        dtype, source, tokenizer, progress)

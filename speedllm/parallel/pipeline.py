@@ -1,0 +1,254 @@
+"""Pipeline parallelism with torch.distributed.pipelining: stage splitting and one training step.
+
+A stage is the Qwen3 module with the other stages' layers deleted and embed_tokens / norm / lm_head set to
+None where it does not hold them (names, and so checkpoints, stay those of the whole model). Stages go to
+pipeline ranks round-robin (stage s on rank s % pp; rank r and 2*pp-1-r for the V-shaped schedules), so with
+vpp virtual stages a rank holds several. The model the loop sees is one module holding every layer of this
+rank (for the optimizer and checkpoints); the stages share its submodules.
+
+Tied embeddings (input = output embedding) are two tensors here, embed_tokens on the first stage and lm_head
+on the last: both start equal, their gradients are summed over the pipeline axis after every step, and the
+optimizer therefore keeps them equal.
+"""
+
+import copy
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.tensor import DTensor, Shard
+
+from speedllm.errors import UserError
+
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+def layers_per_stage(num_layers: int, num_stages: int, explicit: Optional[List[int]]) -> List[List[int]]:
+    """Layer ids of every stage: `explicit` sizes (parallel.pp_layers) or an even split."""
+    sizes = list(explicit) if explicit is not None else [num_layers // num_stages] * num_stages
+    starts = [sum(sizes[:i]) for i in range(num_stages)]
+    return [list(range(start, start + size)) for start, size in zip(starts, sizes)]
+
+
+def stages_of_rank(pp_rank: int, pp: int, vpp: int, schedule: str) -> List[int]:
+    """Stage indices held by pipeline rank `pp_rank`."""
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + v * pp for v in range(vpp)]
+
+
+def stage_module(model: nn.Module, layer_ids: List[int], first: bool, last: bool) -> nn.Module:
+    """A shallow copy of `model` holding only `layer_ids` (+ embedding / final norm and head at the ends)."""
+    stage = copy.copy(model)
+    for key, value in vars(model).items():
+        if isinstance(value, dict):  # own tables of submodules, parameters and hooks; shared submodules
+            setattr(stage, key, copy.copy(value))
+    stage.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
+    if not first:
+        stage.embed_tokens = None
+    if not last:
+        stage.norm = None
+        stage.lm_head = None
+    return stage
+
+
+def split_model(model: nn.Module, cfg: DictConfig, pp_rank: int) -> tuple:
+    """(rank module, [(stage index, stage module)]) for this pipeline rank; `model` is on the meta device."""
+    p = cfg.parallel
+    if p.pp_schedule in V_SCHEDULES and p.vpp != 2:
+        raise UserError(f"parallel.pp_schedule={p.pp_schedule} places two stages per rank in a V; set parallel.vpp=2")
+    num_stages = p.pp * p.vpp
+    all_layers = layers_per_stage(cfg.model.num_hidden_layers, num_stages, p.pp_layers)
+    mine = stages_of_rank(pp_rank, p.pp, p.vpp, p.pp_schedule)
+    owned = sorted(i for s in mine for i in all_layers[s])
+    holds_first, holds_last = 0 in mine, num_stages - 1 in mine
+    rank_module = stage_module(model, owned, holds_first, holds_last)
+    if holds_last and cfg.model.tie_word_embeddings:
+        # The first and last stages are separate modules (separate FSDP units): the head gets its own
+        # tensor, kept equal to embed_tokens by summing their gradients.
+        rank_module.lm_head = copy.deepcopy(model.lm_head)
+        if not holds_first:
+            # Still tied within this rank's module (as in the whole model), so state dicts and checkpoints
+            # name it exactly as a single process does; the stage itself holds only lm_head.
+            rank_module.embed_tokens = copy.deepcopy(model.embed_tokens)
+            rank_module.embed_tokens.weight = rank_module.lm_head.weight
+    stages = [(s, stage_module(rank_module, all_layers[s], s == 0, s == num_stages - 1)) for s in mine]
+    return rank_module, stages
+
+
+class Pipeline:
+    """The stages of this rank and their schedule; `forward_backward` replaces the loop's own."""
+
+    def __init__(self, rank_module: nn.Module, stages: list, cfg: DictConfig, mesh: DeviceMesh,
+                 device: torch.device):
+        p = cfg.parallel
+        self.rank_module = rank_module
+        self.stages = stages
+        self.modules = [module for _, module in stages]
+        self.device = device
+        self.group = mesh["pp"].get_group()
+        self.schedule_name = p.pp_schedule
+        self.num_stages = p.pp * p.vpp
+        self.microbatches = p.pp_microbatches
+        self.tied = cfg.model.tie_word_embeddings
+        self.schedule = None
+        self._ce, self._aux, self._scale = [], [], None
+        self.tied_group = None
+        last_pp = 0 if p.pp_schedule in V_SCHEDULES else p.pp - 1
+        if self.tied and last_pp != 0:
+            # one group per (dp, cp, tp) coordinate: the pipeline ranks holding the first and the last stage
+            ends = mesh.mesh[[0, last_pp]].reshape(2, -1).t().tolist()
+            self.tied_group, _ = dist.new_subgroups_by_enumeration(ends)
+        for index, module in stages:
+            if index == self.num_stages - 1:
+                module.register_forward_hook(_losses_as_vectors)
+        if p.tp > 1 and p.sequence_parallel:
+            for index, module in stages:
+                _send_local_sequence_shards(module, mesh["tp"], first=index == 0, last=index == self.num_stages - 1)
+
+    def _build_schedule(self, num_microbatches: int) -> None:
+        pipeline_stages = [PipelineStage(module, index, self.num_stages, self.device, group=self.group)
+                           for index, module in self.stages]
+        schedule_class = get_schedule_class(self.schedule_name)
+        # Losses are sums already divided by the step's global token count: gradients must not be rescaled.
+        if issubclass(schedule_class, PipelineScheduleSingle):
+            pipeline_stages = pipeline_stages[0]
+        self.schedule = schedule_class(pipeline_stages, num_microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, output, target):
+        ce_sum, aux = output[0].sum(), output[1].sum()
+        self._ce.append(ce_sum.detach())
+        self._aux.append(aux.detach())
+        return ce_sum / self._scale[0] + aux / self._scale[1]
+
+    def forward_backward(self, micro_batches: List[Dict[str, torch.Tensor]], num_targets: torch.Tensor,
+                         dp_size: int) -> tuple:
+        """One step's forward and backward over the pipeline; returns (ce_sum, aux_sum) of this dp rank."""
+        if self.schedule is None:
+            self._build_schedule(self.microbatches or len(micro_batches))
+        batch = {k: torch.cat([mb[k] for mb in micro_batches]) for k in micro_batches[0]}
+        self._ce, self._aux = [], []
+        self._scale = (num_targets, self.schedule._n_microbatches * dp_size)
+        kwargs = {k: batch[k] for k in ("labels", "position_ids", "document_ids") if k in batch}
+        if self.holds(0):
+            self.schedule.step(batch["tokens"], target=batch["labels"], **kwargs)
+        else:
+            self.schedule.step(target=batch["labels"], **kwargs)
+        zero = torch.zeros((), device=num_targets.device)
+        # the first step also runs one forward (and loss) to infer the stages' shapes: keep the real ones
+        n = self.schedule._n_microbatches
+        totals = torch.stack([sum(self._ce[-n:], zero), sum(self._aux[-n:], zero)])
+        dist.all_reduce(totals, group=self.group)  # only the last stage computed them
+        if self.tied:
+            self._sum_tied_grads()
+        return totals[0], totals[1]
+
+    @torch.no_grad()
+    def forward_only(self, tokens: torch.Tensor, **kwargs):
+        """The whole model's forward (no schedule): stage after stage, hidden states sent point to point.
+
+        Returns on every pipeline rank what Qwen3.forward returns: (ce_sum, aux) with labels, else logits.
+        Used for evaluation (the rank module's forward is this function). With sequence parallel, the
+        sequence length must divide by tp.
+        """
+        owner = {index: rank for rank in range(self.group.size()) for index in self._stages_of(rank)}
+        me = self.group.rank()
+        modules = dict(self.stages)
+        h = tokens
+        for index in range(self.num_stages):
+            if owner[index] != me:
+                continue
+            if index > 0 and owner[index - 1] != me:
+                h = _recv(owner[index - 1], self.group, self.device)
+            h = modules[index](h, **kwargs)
+            if index < self.num_stages - 1 and owner[index + 1] != me:
+                _send(h, owner[index + 1], self.group)
+        last = owner[self.num_stages - 1]
+        if "labels" in kwargs and kwargs["labels"] is not None:
+            out = torch.cat([t.reshape(1) for t in h]) if me == last else torch.zeros(2, device=self.device)
+            dist.broadcast(out, group_src=last, group=self.group)
+            return out[0], out[1]
+        if me != last:
+            h = _recv(last, self.group, self.device, broadcast=True)
+        else:
+            _send(h, None, self.group, broadcast=True)
+        return h
+
+    def _stages_of(self, pp_rank: int) -> List[int]:
+        return stages_of_rank(pp_rank, self.group.size(), self.num_stages // self.group.size(), self.schedule_name)
+
+    def holds(self, stage_index: int) -> bool:
+        return any(index == stage_index for index, _ in self.stages)
+
+    def retie(self) -> None:
+        """After materialization: the last stage's module-level tie points at the stage's (sharded) head."""
+        m = self.rank_module
+        if self.tied and m.lm_head is not None and not self.holds(0):
+            m.embed_tokens.weight = m.lm_head.weight
+
+    def _sum_tied_grads(self) -> None:
+        """Sum the gradients of the first stage's embedding and the last stage's head (over the pipeline)."""
+        m = self.rank_module
+        weights = [module.weight for module in (m.embed_tokens, m.lm_head) if module is not None]
+        weights = list({id(w): w for w in weights}.values())  # the last stage's tie is one tensor
+        if not weights:
+            return
+        for w in weights:
+            if isinstance(w.grad, DTensor) and w.grad.placements != w.placements:
+                # a vocab-parallel embedding's gradient can come back replicated: shard it like the weight
+                w.grad = w.grad.redistribute(placements=w.placements)
+        grads = [_local(w.grad) for w in weights]
+        total = grads[0] + grads[1] if len(grads) == 2 else grads[0].clone()
+        if self.tied_group is not None:
+            dist.all_reduce(total, group=self.tied_group)
+        for g in grads:
+            g.copy_(total)
+
+
+def _losses_as_vectors(module, args, output):
+    """(ce_sum, aux) as 1-element tensors: the schedule concatenates the last stage's outputs."""
+    return tuple(t.reshape(1) for t in output) if isinstance(output, tuple) else output
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _send(t: torch.Tensor, dst: Optional[int], group, broadcast: bool = False) -> None:
+    """Send a 3-D tensor with a header (shape, dtype) to group rank `dst`, or broadcast it from here."""
+    header = torch.tensor([*t.shape, _DTYPES.index(t.dtype)], device=t.device)
+    if broadcast:
+        dist.broadcast(header, group_src=group.rank(), group=group)
+        dist.broadcast(t.contiguous(), group_src=group.rank(), group=group)
+    else:
+        dist.send(header, group_dst=dst, group=group)
+        dist.send(t.contiguous(), group_dst=dst, group=group)
+
+
+def _recv(src: int, group, device: torch.device, broadcast: bool = False) -> torch.Tensor:
+    header = torch.empty(4, dtype=torch.int64, device=device)
+    (dist.broadcast if broadcast else dist.recv)(header, group_src=src, group=group)
+    t = torch.empty(header[:3].tolist(), dtype=_DTYPES[int(header[3])], device=device)
+    (dist.broadcast if broadcast else dist.recv)(t, group_src=src, group=group)
+    return t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _send_local_sequence_shards(stage: nn.Module, tp_mesh: DeviceMesh, first: bool, last: bool) -> None:
+    """With sequence parallel, stages exchange their local sequence shard [B, S/tp, D] and rebuild the DTensor.
+
+    The model reads B and S from the hidden states, so a stage must see the sequence-sharded DTensor (global
+    shape), while point-to-point sends take plain tensors.
+    """
+    if not first:
+        stage.register_forward_pre_hook(
+            lambda module, args: (DTensor.from_local(args[0], tp_mesh, [Shard(1)], run_check=False), *args[1:]))
+    if not last:
+        stage.register_forward_hook(lambda module, args, output: output.to_local())

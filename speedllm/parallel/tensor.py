@@ -1,0 +1,161 @@
+"""Tensor + sequence parallelism: DTensor plans as literal dicts from module name to ParallelStyle.
+
+Layout with sequence parallel (SP): between blocks the residual stream is a DTensor sharded on the sequence
+dim (Shard(1)); the norms run on their sequence shard; attention and the MLP all-gather it, compute on their
+own heads / intermediate columns (Colwise q/k/v, gate/up), and reduce-scatter back (Rowwise o/down).
+Without SP the residual stream is replicated and the Rowwise projections all-reduce instead.
+
+The embedding and the output projection are vocabulary-parallel: each rank holds V/tp rows, and the loss is
+a vocab-parallel cross-entropy (max, sum of exponentials and the target logit reduced over the tensor axis),
+so no rank ever holds logits over the whole vocabulary.
+
+Letters: N tokens, D hidden, V vocabulary (Vt: this rank's share of it).
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+
+def root_plan(sequence_parallel: bool) -> dict:
+    """Plan for the modules outside the decoder layers (names as in speedllm.models.qwen3.Qwen3)."""
+    stream = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        # A DTensor residual stream keeps its global shape, so the model's B, S and RoPE tables stay whole.
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream,
+                                        use_local_output=not sequence_parallel),
+        # Only used for logits without labels (generation, evaluation of logits); training uses the loss below.
+        "lm_head": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
+    }
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    return plan
+
+
+def layer_plan(sequence_parallel: bool) -> dict:
+    """Plan for one dense decoder layer (attention, SwiGLU MLP, norms)."""
+    stream = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        # Attention.forward(x, cos, sin, mask, kv_cache): only x is a distributed activation.
+        "self_attn": PrepareModuleInput(input_layouts=(stream, None, None, None, None),
+                                        desired_input_layouts=(Replicate(), None, None, None, None)),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        # q/k norms see only this rank's heads: their weight gradient is a partial sum over the tensor axis,
+        # which SequenceParallel over the head dim reduces (without it the forward matches, the gradient not).
+        "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=stream, use_local_output=not sequence_parallel),
+        "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=stream, use_local_output=not sequence_parallel),
+    }
+    if sequence_parallel:
+        plan["input_layernorm"] = SequenceParallel()
+        plan["post_attention_layernorm"] = SequenceParallel()
+    return plan
+
+
+def _vocab_parallel_chunk(h_ND, weight_VtD, labels_N, vocab_start, group):
+    """Summed cross-entropy of one chunk and d(sum)/d(local logits), in fp32, reducing over `group`."""
+    logits = (h_ND @ weight_VtD.t()).float()
+    local_labels = labels_N - vocab_start
+    mine = (local_labels >= 0) & (local_labels < logits.shape[1])
+    local_labels = local_labels.clamp(0, logits.shape[1] - 1)[:, None]
+    picked_N = logits.gather(1, local_labels).squeeze(1) * mine  # the target logit, on the rank holding it
+    max_N = logits.amax(dim=1)
+    dist.all_reduce(max_N, op=dist.ReduceOp.MAX, group=group)
+    probs = logits.sub_(max_N[:, None]).exp_()  # logits' storage becomes the softmax, then the gradient
+    sums = torch.stack([probs.sum(dim=1), picked_N])
+    dist.all_reduce(sums, group=group)
+    keep = labels_N != -100
+    loss = ((sums[0].log() + max_N - sums[1]) * keep).sum()
+    probs.div_(sums[0][:, None])
+    probs.scatter_add_(1, local_labels, -mine.float()[:, None])
+    return loss, probs.mul_(keep[:, None])
+
+
+class _VocabParallelLoss(torch.autograd.Function):
+    """Chunked output projection + cross-entropy with the vocabulary split over a process group.
+
+    Same scheme as speedllm.ops.loss: each chunk's logits turn into their gradient in place right away, and
+    only the gradients with respect to the (replicated) hidden states and the local weight rows are kept.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_ND, weight_VtD, labels_N, chunk_size, vocab_start, group):
+        grad_hidden = torch.empty_like(hidden_ND)
+        grad_weight = torch.zeros(weight_VtD.shape, dtype=torch.float32, device=weight_VtD.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden_ND.device)
+        for start in range(0, hidden_ND.shape[0], chunk_size):
+            h = hidden_ND[start : start + chunk_size]
+            loss, grad_logits = _vocab_parallel_chunk(h, weight_VtD, labels_N[start : start + chunk_size],
+                                                      vocab_start, group)
+            grad_hidden[start : start + chunk_size] = grad_logits.to(weight_VtD.dtype) @ weight_VtD
+            grad_weight.addmm_(grad_logits.t(), h.float())
+            total += loss
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight_VtD.dtype))
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_total, grad_weight * grad_total, None, None, None, None
+
+
+def vocab_parallel_output_loss(hidden_ND, weight_VD, labels_N, chunk_size, cross_entropy=None):
+    """Drop-in for speedllm.ops.loss.chunked_cross_entropy with a vocabulary-sharded output weight.
+
+    hidden_ND may be a DTensor (sequence-sharded or replicated); weight_VD is a DTensor Shard(0) on a 1-D
+    tensor-parallel mesh. Each rank projects onto its vocabulary rows, so its gradient with respect to the
+    hidden states is a partial sum, which DTensor reduces on the way back. `cross_entropy` is unused: the
+    reductions over the vocabulary are the point of this function.
+    """
+    mesh = weight_VD.device_mesh
+    if isinstance(hidden_ND, DTensor):
+        hidden_ND = hidden_ND.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+    else:
+        hidden_ND = DTensor.from_local(hidden_ND, mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+    _, offset = compute_local_shape_and_global_offset(weight_VD.shape, mesh, weight_VD.placements)
+    return _VocabParallelLoss.apply(hidden_ND, weight_VD.to_local(), labels_N, chunk_size, offset[0],
+                                    mesh.get_group())
+
+
+def _shard_grad_like_param(param: DTensor) -> None:
+    if param.grad.placements != param.placements:
+        param.grad = param.grad.redistribute(placements=param.placements)
+
+
+def shard_embedding_grad(model: nn.Module) -> None:
+    """DTensor's embedding backward returns a replicated (whole-vocabulary) gradient: keep only our rows.
+
+    Call after the parameters are materialized (hooks live on the parameter objects).
+    """
+    if model.embed_tokens is not None:
+        model.embed_tokens.weight.register_post_accumulate_grad_hook(_shard_grad_like_param)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shard `model` (a Qwen3, possibly one pipeline stage of it) over the 1-D tensor-parallel mesh in place."""
+    tied = model.cfg.tie_word_embeddings and model.lm_head is not None and model.embed_tokens is not None
+    plan = {name: style for name, style in root_plan(sequence_parallel).items() if getattr(model, name) is not None}
+    parallelize_module(model, tp_mesh, plan)
+    if tied:
+        model.lm_head.weight = model.embed_tokens.weight  # distributed separately above; one tensor again
+    for layer in model.layers.values():
+        parallelize_module(layer, tp_mesh, layer_plan(sequence_parallel))
+    if model.lm_head is not None:
+        model.output_loss = vocab_parallel_output_loss

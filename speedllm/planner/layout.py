@@ -1,0 +1,67 @@
+"""A candidate layout: parallel degrees plus the training knobs the planner searches (micro batch, recompute)."""
+
+from dataclasses import dataclass
+from typing import List
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to place a training run on `world` devices (world = dp * cp * tp * pp)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    ep: int = 1
+    cp: int = 1
+    micro_batch: int = 1
+    recompute: str = "none"  # none | selective | full
+    fsdp: bool = True
+    reshard_after_forward: bool = True
+    sequence_parallel: bool = True
+    schedule: str = "1F1B"
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp * self.tp * self.pp
+
+    def short(self) -> str:
+        """`tp2 pp4 vpp2 dp8 ep4 cp1 mb1 full` style name for tables."""
+        parts = [f"tp{self.tp}", f"pp{self.pp}"]
+        if self.vpp > 1:
+            parts.append(f"vpp{self.vpp}")
+        parts.append(f"dp{self.dp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
+        parts += [f"mb{self.micro_batch}", self.recompute]
+        if not self.fsdp and self.dp > 1:
+            parts.append("ddp")
+        return " ".join(parts)
+
+
+def layout_from_config(parallel, train) -> Layout:
+    """The Layout a resolved config describes (parallel.dp must already be >= 1)."""
+    return Layout(dp=parallel.dp, tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp, ep=parallel.ep, cp=parallel.cp,
+                  micro_batch=train.micro_batch_size, recompute=train.recompute, fsdp=parallel.fsdp,
+                  reshard_after_forward=parallel.reshard_after_forward,
+                  sequence_parallel=parallel.sequence_parallel, schedule=parallel.pp_schedule)
+
+
+def stage_layers(num_layers: int, stages: int, explicit=None) -> List[int]:
+    """Decoder layers per pipeline stage (pp * vpp stages): the explicit list, or as even as possible with the
+    larger stages in the middle (the first holds the embedding, the last the output projection and loss)."""
+    if explicit is not None:
+        return list(explicit)
+    base, extra = divmod(num_layers, stages)
+    sizes = [base] * stages
+    start = (stages - extra) // 2
+    for i in range(start, start + extra):
+        sizes[i] += 1
+    return sizes
+
+
+def rank_stages(pp: int, vpp: int) -> List[List[int]]:
+    """Stage indices each pipeline rank runs: rank r holds stages r, r + pp, r + 2 pp, ... (interleaved order)."""
+    return [[r + v * pp for v in range(vpp)] for r in range(pp)]

@@ -1,0 +1,393 @@
+"""Memory per rank of a training layout: parameters, gradients, optimizer states, activations, buffers.
+
+Parameter, gradient and optimizer bytes are exact: every tensor's shape comes from the real Qwen3 built on the
+meta device, and its per-rank slice from the real placements (the tensor-parallel plan of
+speedllm.parallel.tensor, experts split over ep on dim 0, FSDP2 sharding dim 0 over its mesh axis, the
+pipeline's stage split). Slices follow torch.chunk, as DTensor and FSDP2 do: the first rank of an axis holds
+ceil(n / k) rows, the most of any rank, so the numbers below are those of the first rank of each stage.
+
+Activations follow what this code base saves for backward (per op set, SDPA that keeps no score matrix, the
+chunked loss), per decoder layer and micro-batch, times the micro-batches a pipeline schedule keeps in flight.
+Checked against measurements in tests/test_planner*.py (see BENCHMARKS.md, "Planner").
+
+Letters: N tokens of one micro-batch on one rank, h hidden, q/kv query/key-value width (heads x head_dim),
+i MLP width, E experts, k experts per token, e bytes of the compute dtype.
+"""
+
+import math
+from dataclasses import dataclass, field
+from fnmatch import fnmatch
+from functools import lru_cache
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from speedllm.planner.layout import Layout, rank_stages
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MASTER_BYTES = 4  # fp32 master weights and fp32 gradient reduction (the mixed-precision policy)
+ADAM_BYTES = 8  # AdamW: exp_avg and exp_avg_sq in the parameter's dtype (fp32)
+GIB = 2**30
+UPDATE_TEMPORARIES = 0.8  # foreach AdamW's intermediate tensors, in units of the fp32 parameters
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter of the meta model: its name inside a layer (or at the root), shape and placement facts."""
+
+    name: str
+    shape: Tuple[int, ...]
+    tp_dim: Optional[int]  # dimension the tensor-parallel plan shards, None = replicated over tp
+    expert: bool  # stacked experts [E, out, in], split over ep on dim 0
+
+
+@dataclass(frozen=True)
+class ModelTensors:
+    """The parameters of a Qwen3, grouped so that a layout is costed without walking every layer."""
+
+    layer_kinds: Tuple[Tuple[Tensor, ...], ...]  # distinct decoder-layer parameter sets
+    layer_kind: Tuple[int, ...]  # layer id -> index into layer_kinds
+    embed: Tuple[Tensor, ...]  # first stage
+    head: Tuple[Tensor, ...]  # last stage: final norm, and lm_head unless tied
+    tied: bool
+    moe_layers: Tuple[bool, ...]
+
+
+def _config_key(model_cfg) -> tuple:
+    items = OmegaConf.to_container(model_cfg, resolve=False) if OmegaConf.is_config(model_cfg) else vars(model_cfg)
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in items.items() if k != "tokenizer"))
+
+
+def style_dim(style, module: nn.Module, param_name: str) -> Optional[int]:
+    """The dimension a torch ParallelStyle shards `module.<param_name>` on (None: replicated over tp)."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel)
+
+    if style is None or isinstance(style, (SequenceParallel, PrepareModuleInput, PrepareModuleOutput)):
+        return None
+    embedding = isinstance(module, nn.Embedding)
+    if isinstance(style, ColwiseParallel):  # Linear: output features (weight and bias); Embedding: hidden
+        return 1 if embedding else 0
+    if isinstance(style, RowwiseParallel):  # Linear: input features (bias replicated); Embedding: vocabulary
+        return 0 if embedding else (1 if param_name == "weight" else None)
+    raise ValueError(f"the planner does not know how {type(style).__name__} places parameters")
+
+
+def tp_dim(module_fqn: str, module: nn.Module, param_name: str) -> Optional[int]:
+    """Sharded dim of a parameter under speedllm.parallel.tensor's plans (looked up by module name)."""
+    from speedllm.parallel.tensor import layer_plan, root_plan
+
+    if module_fqn.startswith("layers."):
+        plan, local = layer_plan(True), module_fqn.split(".", 2)[2]
+    else:
+        plan, local = root_plan(True), module_fqn
+    style = next((s for pattern, s in plan.items() if fnmatch(local, pattern)), None)
+    return style_dim(style, module, param_name)
+
+
+def model_tensors(model_cfg) -> ModelTensors:
+    """Parameters of the real model built on the meta device, with their placements (cached per model config)."""
+    return _model_tensors(_config_key(model_cfg))
+
+
+@lru_cache(maxsize=32)
+def _model_tensors(key: tuple) -> ModelTensors:
+    from speedllm.models.moe import Experts
+    from speedllm.models.qwen3 import Qwen3
+
+    cfg = OmegaConf.create(dict(key))
+    with torch.device("meta"):
+        model = Qwen3(cfg)
+    expert_params = {id(p) for m in model.modules() if isinstance(m, Experts) for p in m.parameters()}
+    per_layer: Dict[int, List[Tensor]] = {}
+    embed, head = [], []
+    for name, param in model.named_parameters():  # a tied lm_head appears once, as embed_tokens.weight
+        module, _, pname = name.rpartition(".")
+        entry = Tensor(name, tuple(param.shape), tp_dim(module, model.get_submodule(module), pname),
+                       id(param) in expert_params)
+        if name.startswith("layers."):
+            _, layer, local = name.split(".", 2)
+            per_layer.setdefault(int(layer), []).append(Tensor(local, entry.shape, entry.tp_dim, entry.expert))
+        elif name.startswith("embed_tokens."):
+            embed.append(entry)
+        else:
+            head.append(entry)
+    kinds: List[Tuple[Tensor, ...]] = []
+    layer_kind = []
+    for layer in range(cfg.num_hidden_layers):
+        params = tuple(per_layer[layer])
+        if params not in kinds:
+            kinds.append(params)
+        layer_kind.append(kinds.index(params))
+    moe = tuple(layer.is_moe for layer in model.layers.values())
+    return ModelTensors(tuple(kinds), tuple(layer_kind), tuple(embed), tuple(head), cfg.tie_word_embeddings, moe)
+
+
+def _chunk(n: int, k: int) -> int:
+    """Rows the first rank gets when torch.chunk splits n rows k ways."""
+    return -(-n // k) if k > 1 else n
+
+
+def local_numel(t: Tensor, tp: int, ep: int, fsdp: int) -> int:
+    """Elements the first rank holds of tensor t after TP, EP and then FSDP (dim 0) sharding."""
+    shape = list(t.shape)
+    if t.expert and ep > 1:
+        shape[0] = _chunk(shape[0], ep)
+    if t.tp_dim is not None and tp > 1:
+        shape[t.tp_dim] = _chunk(shape[t.tp_dim], tp)
+    if fsdp > 1:
+        shape[0] = _chunk(shape[0], fsdp)
+    return math.prod(shape)
+
+
+def fsdp_degrees(layout: Layout) -> Tuple[int, int]:
+    """(dense, expert) FSDP2 shard degrees (speedllm.parallel.fsdp): dense weights over dp x cp (over cp
+    alone when parallel.fsdp=false replicates over dp); experts, already split over ep ranks carved out of
+    dp x cp, over the rest of dp x cp."""
+    if not layout.fsdp:
+        return layout.cp, 1
+    return layout.dp * layout.cp, layout.dp * layout.cp // layout.ep
+
+
+def _tensors_numel(tensors, layout: Layout, sharded: bool) -> int:
+    dense, expert = fsdp_degrees(layout) if sharded else (1, 1)
+    return sum(local_numel(t, layout.tp, layout.ep, expert if t.expert else dense) for t in tensors)
+
+
+@dataclass
+class StageParams:
+    """Parameter elements one pipeline rank holds: sharded (what it stores) and gathered (what FSDP2 all-gathers
+    for compute), plus the largest single layer gathered."""
+
+    sharded: int = 0
+    gathered: int = 0
+    root_gathered: int = 0  # embedding / final norm / lm_head: the root FSDP unit, kept through the step
+    max_layer_gathered: int = 0
+    layers: int = 0
+    moe_layers: int = 0
+    has_embed: bool = False
+    has_head: bool = False
+    per_stage_layers: List[int] = field(default_factory=list)
+
+
+def rank_params(mt: ModelTensors, layout: Layout, layer_split: List[int], pp_rank: int) -> StageParams:
+    """What pipeline rank `pp_rank` holds under `layout`, given the layers per stage (pp * vpp stages)."""
+    sp = StageParams()
+    starts = [sum(layer_split[:i]) for i in range(len(layer_split))]
+    last = len(layer_split) - 1
+    kind_sharded = [_tensors_numel(kind, layout, True) for kind in mt.layer_kinds]
+    kind_gathered = [_tensors_numel(kind, layout, False) for kind in mt.layer_kinds]
+    for stage in rank_stages(layout.pp, layout.vpp)[pp_rank]:
+        layers = range(starts[stage], starts[stage] + layer_split[stage])
+        sp.per_stage_layers.append(len(layers))
+        for layer in layers:
+            kind = mt.layer_kind[layer]
+            sp.sharded += kind_sharded[kind]
+            gathered = kind_gathered[kind]
+            sp.gathered += gathered
+            sp.max_layer_gathered = max(sp.max_layer_gathered, gathered)
+            sp.layers += 1
+            sp.moe_layers += mt.moe_layers[layer]
+        root = []
+        if stage == 0:
+            root += mt.embed
+            sp.has_embed = True
+        if stage == last:
+            root += mt.head
+            # With tied embeddings the last stage keeps its own copy of the table unless it is also the first.
+            if mt.tied and stage != 0:
+                root += mt.embed
+            sp.has_head = True
+        sp.sharded += _tensors_numel(root, layout, True)
+        root_gathered = _tensors_numel(root, layout, False)
+        sp.gathered += root_gathered
+        sp.root_gathered += root_gathered
+    return sp
+
+
+@dataclass
+class Memory:
+    """Bytes per device of one pipeline rank, by component, and the peak over a step's two phases.
+
+    Forward/backward holds the weights, optimizer states, activations and buffers, plus gradients only while
+    they accumulate over micro-batches (the loop frees a step's gradients after the update); the optimizer
+    update holds weights, gradients, states and the update's temporaries.
+    """
+
+    params: float = 0.0
+    grads: float = 0.0  # this rank's (sharded) gradients, alive from the end of backward to the update
+    grad_accum: float = 0.0  # gradients accumulating over micro-batches, alive through forward and backward
+    optimizer: float = 0.0
+    activations: float = 0.0
+    # activations alive once gradients exist (a pipeline rank has run one backward by then)
+    activations_with_grads: float = 0.0
+    buffers: float = 0.0  # FSDP2 all-gathered weights, autocast weight copies, pipeline send/receive
+    update_temporaries: float = 0.0
+    pp_rank: int = 0
+
+    @property
+    def forward_backward(self) -> float:
+        live = max(self.activations, self.grad_accum + self.activations_with_grads)
+        return self.params + self.optimizer + self.buffers + live
+
+    @property
+    def update(self) -> float:
+        return self.params + self.grads + self.optimizer + self.update_temporaries
+
+    @property
+    def total(self) -> float:
+        return max(self.forward_backward, self.update)
+
+
+def saved_bytes_per_element(ops: str, e: int) -> Tuple[int, int, int]:
+    """Bytes an op set keeps for backward per element of (an RMSNorm's input, a RoPE input, the MLP width).
+
+    reference: RMSNorm keeps an fp32 copy of its input and its normalized output; RoPE multiplies by constant
+    tables and keeps nothing; SwiGLU keeps gate, up, silu(gate) and the product. cuda: torch's fused rms_norm
+    keeps its input, the rest is eager. npu: npu_rms_norm and npu_rotary_mul keep their input, npu_swiglu the
+    concatenated gate/up and its output.
+    """
+    if ops == "npu":
+        return e, e, 3 * e
+    if ops == "cuda":
+        return e, 0, 4 * e
+    return 4 + e, 0, 4 * e
+
+
+def layer_activation_bytes(m, layout: Layout, seq_len: int, dtype_bytes: int, moe: bool, tp_dims,
+                           ops: str = "reference") -> float:
+    """Bytes one decoder layer saves for backward for one micro-batch, by recompute policy.
+
+    Args:
+        tp_dims: whether the TP plan splits (the MLP width, the experts' width, the vocabulary).
+        ops: the hardware profile's op set (what the fused kernels keep differs, see saved_bytes_per_element).
+    """
+    e, tp = dtype_bytes, layout.tp
+    sp = tp if layout.sequence_parallel else 1
+    n = layout.micro_batch * seq_len / layout.cp
+    h, d = m.hidden_size, m.head_dim
+    q, kv = m.num_attention_heads * d / tp, m.num_key_value_heads * d / tp
+    lse = 4 * m.num_attention_heads / tp  # attention's fp32 log-sum-exp per query head
+    k_top = m.num_experts_per_tok
+    i_moe = m.moe_intermediate_size / (tp if tp_dims[1] else 1)
+    i_mlp = m.intermediate_size / (tp if tp_dims[0] else 1)
+    if layout.recompute == "full":
+        return n * h * e / sp  # the layer input; the rest is rebuilt in backward
+    if layout.recompute == "selective":
+        # the layer input and the outputs of matmuls and attention (see speedllm/parallel/parallelize.py)
+        attn = e * h / sp + e * (q + 2 * kv) + e * q + lse + e * h / sp
+        mlp = e * (m.num_experts + k_top * (2 * i_moe + h)) if moe else e * (2 * i_mlp + h / sp)
+        return n * (attn + mlp)
+    norm_b, rope_b, swiglu_b = saved_bytes_per_element(ops, e)
+    # two RMSNorms on the (sequence-parallel) residual stream; the all-gathered input of the projections
+    # after each is saved at full size by those projections
+    norms = 2 * norm_b * h / sp + 2 * e * h
+    # q and k: the projection and normed heads (kept by their RMSNorm), RoPE's input, the rotated heads (kept
+    # by attention); v; attention's output and the contiguous copy fed to o_proj
+    attn = (norm_b + rope_b + e) * (q + kv) + e * kv + 2 * e * q + lse
+    if moe:
+        router = 4 * m.num_experts  # fp32 router probabilities
+        mlp = router + 2 * e * k_top * h + swiglu_b * k_top * i_moe  # rows sorted by expert, expert outputs
+    else:
+        mlp = swiglu_b * i_mlp
+    return n * (norms + attn + mlp)
+
+
+def in_flight(layout: Layout, pp_rank: int, num_micro: int) -> int:
+    """Stage-micro-batches whose activations rank `pp_rank` holds at once under the pipeline schedule."""
+    if layout.pp == 1:
+        return 1
+    if layout.schedule == "GPipe":
+        return num_micro * layout.vpp
+    warmup = (layout.vpp - 1) * layout.pp + 2 * (layout.pp - 1 - pp_rank) if layout.vpp > 1 \
+        else layout.pp - 1 - pp_rank
+    return min(warmup + 1, num_micro * layout.vpp)
+
+
+def loss_bytes(m, layout: Layout, seq_len: int, dtype_bytes: int, chunk: int, vocab_split: int) -> Tuple[float, float]:
+    """(saved, transient) bytes of the last stage's norm + chunked output projection and loss for one micro-batch.
+
+    The chunked loss keeps the hidden-state gradient and the weight gradient (fp32 while accumulating) from its
+    forward; a chunk's logits live only inside it (logits, fp32 copy, softmax work, their gradient).
+    """
+    e = dtype_bytes
+    n = layout.micro_batch * seq_len / layout.cp
+    v = m.vocab_size / vocab_split
+    saved = n * m.hidden_size * (4 + 2 * e) + v * m.hidden_size * e
+    # a chunk's logits and their gradient (fp32 beside low-precision logits), and the fp32 weight-gradient
+    # accumulator when the weight is in low precision
+    transient = min(chunk, n) * v * (4 if e == 4 else 4 + e)
+    if e < 4:
+        transient += v * m.hidden_size * 4
+    return saved, transient
+
+
+def rank_memory(m, layout: Layout, sp: StageParams, pp_rank: int, seq_len: int,
+                global_batch: int, dtype: str, loss_chunk: int, tp_dims, ops: str = "reference") -> Memory:
+    """Peak bytes of pipeline rank `pp_rank` in a training step.
+
+    Args:
+        tp_dims: whether the TP plan splits (the MLP width, the experts' width, the vocabulary), see tp_facts.
+    """
+    e = DTYPE_BYTES[dtype]
+    num_micro = global_batch // (layout.micro_batch * layout.dp)
+    mem = Memory(pp_rank=pp_rank)
+    mem.params = sp.sharded * MASTER_BYTES
+    mem.grads = sp.sharded * MASTER_BYTES
+    mem.optimizer = sp.sharded * ADAM_BYTES
+    mem.update_temporaries = sp.sharded * MASTER_BYTES * UPDATE_TEMPORARIES
+    accumulating = num_micro > 1 or layout.pp > 1
+    dense_fsdp, _ = fsdp_degrees(layout)
+    if layout.fsdp and dense_fsdp > 1:
+        # torch's pipeline schedules keep a stage's weights gathered until its last backward; otherwise FSDP2
+        # holds the root unit (embedding, final norm, lm_head) and about one layer gathered at a time
+        if layout.pp > 1 or not layout.reshard_after_forward:
+            mem.buffers = sp.gathered * e
+        else:
+            mem.buffers = (sp.root_gathered + sp.max_layer_gathered) * e
+        if accumulating:  # without a gradient sync FSDP2 accumulates unsharded, in fp32 (the reduce dtype)
+            mem.grad_accum = sp.gathered * MASTER_BYTES
+    else:
+        if e < MASTER_BYTES:
+            mem.buffers = sp.gathered * e  # autocast keeps a low-precision copy of every weight during forward
+        if accumulating:
+            mem.grad_accum = mem.grads
+    flight = in_flight(layout, pp_rank, num_micro)
+    max_stage_layers = max(sp.per_stage_layers)
+    dense_layers = sp.layers - sp.moe_layers
+    full = Layout(**{**layout.__dict__, "recompute": "none"})
+    act = {moe: layer_activation_bytes(m, layout, seq_len, e, moe, tp_dims, ops) for moe in (False, True)}
+    act_full = {moe: layer_activation_bytes(m, full, seq_len, e, moe, tp_dims, ops) for moe in (False, True)}
+    # average layer of this rank times the layers of its largest stage
+    avg = (dense_layers * act[False] + sp.moe_layers * act[True]) / sp.layers
+    per_stage_act = avg * max_stage_layers
+    # a recomputed layer is rebuilt whole in backward; the loss's chunk logits live only inside its forward
+    working = 0.0 if layout.recompute == "none" else max(act_full[True] if sp.moe_layers else 0.0,
+                                                        act_full[False] if dense_layers else 0.0)
+    head = 0.0
+    transient = 0.0
+    if sp.has_head:
+        saved, transient = loss_bytes(m, layout, seq_len, e, loss_chunk, layout.tp if tp_dims[2] else 1)
+        # the loss stage runs each micro-batch's backward right after its forward, except under GPipe
+        head = saved * (num_micro if layout.pp > 1 and layout.schedule == "GPipe" else 1)
+        if working:  # the output projection's gradient is made at the start of backward and kept to the end
+            working += m.vocab_size / (layout.tp if tp_dims[2] else 1) * m.hidden_size * MASTER_BYTES
+    mem.activations = flight * per_stage_act + head + max(working, transient)
+    # a pipeline rank's gradients appear with its first backward, which frees one micro-batch's activations
+    flight_with_grads = max(flight - 1, 1) if layout.pp > 1 else flight
+    mem.activations_with_grads = flight_with_grads * per_stage_act + head + max(working, transient)
+    if layout.pp > 1:
+        n = layout.micro_batch * seq_len / layout.cp
+        mem.buffers += 4 * n * m.hidden_size * e / (layout.tp if layout.sequence_parallel else 1)
+    return mem
+
+
+def tp_facts(mt: ModelTensors) -> Tuple[bool, bool, bool]:
+    """Whether the TP plan splits the dense MLP width, the experts' width and the vocabulary."""
+    layer_tensors = [t for kind in mt.layer_kinds for t in kind]
+    mlp = any(t.name == "mlp.gate_proj.weight" and t.tp_dim is not None for t in layer_tensors)
+    experts = any(t.expert and t.tp_dim is not None for t in layer_tensors)
+    vocab = any(t.tp_dim == 0 for t in mt.embed)
+    return mlp, experts, vocab

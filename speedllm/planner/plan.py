@@ -1,0 +1,94 @@
+"""task=plan: print the ranked layouts of a model on the devices the launcher names, and why others were rejected.
+
+    python launch.py task=plan model=qwen3_235b_a22b hardware=npu_a2 launcher.nnodes=16 launcher.nproc_per_node=16
+
+The device count is launcher.nnodes x launcher.nproc_per_node (nproc_per_node=0: the profile's devices per
+node). Nothing starts on any device: the planner builds the model on the meta device only.
+"""
+
+import os
+import time
+
+from omegaconf import DictConfig
+
+from speedllm.planner.layout import layout_from_config
+from speedllm.planner.memory import GIB
+from speedllm.planner.search import Estimate, Planner, SearchResult, problem_from_config
+
+COMPONENTS = ("params", "grads", "grad_accum", "optimizer", "activations", "buffers")
+HEADER = (f"{'#':>3}  {'layout':<34} {'GiB/dev':>7}  {'params':>6} {'grads':>6} {'accum':>6} {'optim':>6} "
+          f"{'activ':>6} {'buffers':>7}  {'step s':>8} {'tokens/s':>11} {'MFU':>6} {'bubble':>6}")
+
+
+def device_count(cfg: DictConfig) -> int:
+    """Devices the plan is for: torchrun's world, else nnodes x nproc_per_node (x the profile's devices per
+    node when nproc_per_node is 0)."""
+    from speedllm.launcher import under_torchrun
+
+    if under_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    per_node = cfg.launcher.nproc_per_node or cfg.hardware.devices_per_node
+    return cfg.launcher.nnodes * per_node
+
+
+def row(rank: str, est: Estimate) -> str:
+    m = est.memory
+    parts = " ".join(f"{getattr(m, k) / GIB:{7 if k == 'buffers' else 6}.1f}" for k in COMPONENTS)
+    return (f"{rank:>3}  {est.layout.short():<34} {m.total / GIB:7.1f}  {parts}  {est.time.total:8.3g} "
+            f"{est.tokens_per_s:11,.0f} {est.mfu:6.1%} {est.bubble_fraction:6.1%}")
+
+
+def format_table(cfg: DictConfig, planner: Planner, result: SearchResult, seconds: float, mine=None) -> str:
+    """The ranked table, the fastest rejected layouts with their reason, and the structural rejections."""
+    p = planner.p
+    costed = len(result.fitting) + len(result.too_big)
+    lines = [f"plan: {cfg.model.name} on {p.world} x {cfg.hardware.name} ({p.hardware.memory_gb:g} GiB each, "
+             f"{p.capacity / GIB:.1f} usable), seq_len {p.seq_len}, global batch {p.global_batch}, "
+             f"{p.hardware.dtype}: {costed} layouts costed, {len(result.fitting)} fit ({seconds:.1f} s)",
+             "GiB/dev: peak of the busiest rank (forward/backward or update); accum: gradients accumulating over "
+             "micro-batches; time, tokens/s and MFU estimated from the hardware profile", HEADER]
+    lines += [row(str(i + 1), est) for i, est in enumerate(result.fitting[: cfg.plan.top])]
+    if mine is not None:
+        lines += ["your layout (parallel=" + cfg.parallel.name + "):", row("-", mine)]
+        if not mine.fits:
+            lines.append(f"     rejected: {mine.reason}")
+    if result.too_big and cfg.plan.show_rejected > 0:
+        # the interesting rejections are those that would have been faster than the choice
+        best = result.best
+        faster = [e for e in result.too_big if best is None or e.tokens_per_s > best.tokens_per_s]
+        lines.append(f"rejected: {'faster than #1 but ' if faster else ''}too big for device memory "
+                     "(closest to fitting first):")
+        shown = sorted(faster or result.too_big, key=lambda e: e.memory.total)[: cfg.plan.show_rejected]
+        lines += [f"     {est.layout.short():<34} {est.tokens_per_s:11,.0f} tokens/s  {est.reason}" for est in shown]
+    if result.invalid:
+        lines.append("rejected as invalid (layouts: reason):")
+        lines += [f"     {count:6d}: {reason}" for reason, count in sorted(result.invalid.items(), key=lambda kv: -kv[1])]
+    return "\n".join(lines)
+
+
+def run(cfg: DictConfig, rt) -> None:
+    """Print the plan for cfg.model on device_count(cfg) devices of cfg.hardware."""
+    start = time.perf_counter()
+    problem = problem_from_config(cfg, device_count(cfg))
+    if problem.global_batch < problem.world:
+        # every layout would leave devices without a sequence; plan the smallest batch that feeds them all
+        print(f"note: train.global_batch_size={problem.global_batch} is smaller than the {problem.world} devices; "
+              f"planning with {problem.world} (set train.global_batch_size to plan another)")
+        problem.global_batch = problem.world
+    planner = Planner(problem)
+    result = planner.search()
+    mine, note = None, None
+    if cfg.parallel.name != "auto":
+        layout = layout_from_config(cfg.parallel, cfg.train)
+        reason = planner.invalid_reason(layout)
+        if layout.world != planner.p.world:
+            note = f"parallel={cfg.parallel.name} uses {layout.world} devices, not {planner.p.world}: not costed"
+        elif reason is not None:
+            note = f"parallel={cfg.parallel.name} is not costed: {reason}"
+        else:
+            mine = planner.estimate(layout, cfg.parallel.pp_layers)
+    print(format_table(cfg, planner, result, time.perf_counter() - start, mine))
+    if note is not None:
+        print(note)
+    if result.best is None:
+        print("no layout fits: add devices (launcher.nnodes) or lower train.seq_len / train.global_batch_size")

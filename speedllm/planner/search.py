@@ -1,0 +1,226 @@
+"""Search the layouts of a model on a device count: every valid tp, pp, vpp, dp, ep, cp, micro batch and
+recompute policy is costed (memory of its busiest rank, step time) and ranked by estimated throughput.
+
+Structural rules mirror speedllm.config.validate (heads % tp, layers vs pp, experts % ep, batch divisibility)
+and the combinations speedllm.parallel.parallelize builds, plus two of the planner's own: tensor parallel stays inside a node (it is on the critical path of every layer)
+and a pipeline gets at least pp micro-batches per step (interleaving needs a multiple of pp, as torch's
+Interleaved1F1B and MindSpeed do).
+"""
+
+from collections import Counter
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Dict, List, Optional
+
+from omegaconf import OmegaConf
+
+from speedllm.planner.layout import Layout, stage_layers
+from speedllm.planner.memory import (DTYPE_BYTES, GIB, Memory, layer_activation_bytes, model_tensors, rank_memory,
+                                     rank_params, tp_facts)
+from speedllm.planner.timing import StepTime, step_time
+from speedllm.train.metrics import flops_per_token
+
+MICRO_BATCHES = (1, 2, 4, 8)
+RECOMPUTE = ("none", "selective", "full")
+VIRTUAL_STAGES = (1, 2, 4, 8)
+
+
+@dataclass
+class Problem:
+    """What to plan: a model on `world` devices of one hardware profile, at a sequence length and batch."""
+
+    model: object  # ModelConfig fields
+    hardware: object  # HardwareConfig fields
+    world: int
+    seq_len: int
+    global_batch: int
+    loss_chunk: int = 1024
+    efficiency: float = 0.6
+    memory_margin: float = 0.1
+
+    @property
+    def capacity(self) -> float:
+        """Bytes per device a plan may use (the rest is kept for the runtime and allocator fragmentation)."""
+        return self.hardware.memory_gb * GIB * (1 - self.memory_margin)
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    memory: Memory  # the busiest pipeline rank
+    time: StepTime
+    tokens_per_s: float
+    mfu: float
+    bubble_fraction: float
+    fits: bool
+    reason: str = ""
+
+
+@dataclass
+class SearchResult:
+    fitting: List[Estimate]  # fastest first
+    too_big: List[Estimate]  # layouts that are valid but exceed device memory, fastest first
+    invalid: Dict[str, int] = field(default_factory=dict)  # structural rejection reason -> layouts
+
+    @property
+    def best(self) -> Optional[Estimate]:
+        return self.fitting[0] if self.fitting else None
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class Planner:
+    """Costs layouts of one Problem; per-rank parameter counts are cached by placement."""
+
+    def __init__(self, problem: Problem):
+        # plain attributes: the search reads config fields millions of times, and DictConfig access is slow
+        problem.model, problem.hardware = plain(problem.model), plain(problem.hardware)
+        self.p = problem
+        self.mt = model_tensors(problem.model)
+        self.tp_facts = tp_facts(self.mt)
+        self._params = {}
+
+    def split(self, layout: Layout, explicit=None) -> List[int]:
+        return stage_layers(self.p.model.num_hidden_layers, layout.pp * layout.vpp, explicit)
+
+    def rank_params(self, layout: Layout, split: List[int]) -> list:
+        key = (layout.tp, layout.pp, layout.vpp, layout.dp, layout.ep, layout.cp, layout.fsdp, tuple(split))
+        if key not in self._params:
+            self._params[key] = [rank_params(self.mt, layout, split, r) for r in range(layout.pp)]
+        return self._params[key]
+
+    def rank_memories(self, layout: Layout, explicit_split=None) -> List[Memory]:
+        """Memory of every pipeline rank (the first rank of each of its other axes) under `layout`."""
+        p = self.p
+        stages = self.rank_params(layout, self.split(layout, explicit_split))
+        return [rank_memory(p.model, layout, sp, r, p.seq_len, p.global_batch, p.hardware.dtype,
+                            p.loss_chunk, self.tp_facts, p.hardware.ops) for r, sp in enumerate(stages)]
+
+    def estimate(self, layout: Layout, explicit_split=None) -> Estimate:
+        """Memory of the busiest rank and step time of `layout` (assumed structurally valid)."""
+        p, m = self.p, self.p.model
+        stages = self.rank_params(layout, self.split(layout, explicit_split))
+        memory = max(self.rank_memories(layout, explicit_split), key=lambda mem: mem.total)
+        busiest = max(stages, key=lambda sp: sp.gathered)
+        selective = 0.0
+        if layout.recompute == "selective":
+            e = DTYPE_BYTES[p.hardware.dtype]
+            kept = Layout(**{**layout.__dict__, "recompute": "none"})
+            moe = m.num_experts > 0
+            ops = p.hardware.ops
+            selective = (layer_activation_bytes(m, kept, p.seq_len, e, moe, self.tp_facts, ops)
+                         - layer_activation_bytes(m, layout, p.seq_len, e, moe, self.tp_facts, ops))
+        time = step_time(m, layout, p.hardware, busiest, p.seq_len, p.global_batch, p.efficiency, selective)
+        tokens_per_s = p.global_batch * p.seq_len / time.total
+        mfu = tokens_per_s * flops_per_token(m, p.seq_len) / (p.hardware.peak_tflops[p.hardware.dtype] * 1e12
+                                                                 * layout.world)
+        fits = memory.total <= p.capacity
+        reason = "" if fits else (f"needs {memory.total / GIB:.1f} GiB on pp rank {memory.pp_rank} > "
+                                  f"{p.capacity / GIB:.1f} GiB usable ({largest(memory)})")
+        return Estimate(layout, memory, time, tokens_per_s, mfu, time.bubble / time.total, fits, reason)
+
+    def invalid_reason(self, layout: Layout) -> Optional[str]:
+        """Why a layout cannot run (None: it can), in the words of the config key to change."""
+        m, p, hw = self.p.model, self.p, self.p.hardware
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            if getattr(m, key) % layout.tp:
+                return f"tp={layout.tp} does not divide {key}={getattr(m, key)}"
+        if layout.tp > hw.devices_per_node:
+            return f"tp={layout.tp} would span nodes ({hw.devices_per_node} devices per node)"
+        if p.seq_len % layout.tp or p.seq_len % (2 * layout.cp):
+            return f"seq_len={p.seq_len} does not split over tp x 2cp"
+        if layout.pp * layout.vpp > m.num_hidden_layers:
+            return f"pp x vpp={layout.pp * layout.vpp} exceeds num_hidden_layers={m.num_hidden_layers}"
+        if p.global_batch % (layout.micro_batch * layout.dp):
+            return f"global batch {p.global_batch} is not divisible by micro batch x dp"
+        num_micro = p.global_batch // (layout.micro_batch * layout.dp)
+        if layout.pp > 1 and num_micro < layout.pp:
+            return "fewer micro-batches than pipeline stages"
+        if layout.vpp > 1 and num_micro % layout.pp:
+            return "interleaved pipeline needs micro-batches divisible by pp"
+        if layout.ep > 1 and (m.num_experts % layout.ep or (layout.dp * layout.cp) % layout.ep):
+            return f"ep={layout.ep} does not divide num_experts and dp x cp"
+        # combinations speedllm.parallel.parallelize does not build (yet)
+        if m.num_experts and (layout.tp > 1 or layout.pp > 1):
+            return "MoE models run with tp=1 and pp=1 (experts use ep)"
+        if layout.cp > 1 and (m.num_experts or layout.pp > 1):
+            return "context parallel needs a dense model and pp=1"
+        return None
+
+    def layouts(self):
+        """Every combination of degrees whose product is the device count."""
+        m, world = self.p.model, self.p.world
+        experts = _divisors(m.num_experts) if m.num_experts else [1]
+        cps = [c for c in _divisors(world) if c <= 8 and (c == 1 or self.p.seq_len >= 8192)]
+        for tp in _divisors(world):
+            for cp in [c for c in cps if (world // tp) % c == 0]:
+                for pp in _divisors(world // (tp * cp)):
+                    dp = world // (tp * cp * pp)
+                    for vpp in VIRTUAL_STAGES if pp > 1 else (1,):
+                        schedule = "Interleaved1F1B" if vpp > 1 else "1F1B"
+                        for ep in [x for x in experts if x <= dp * cp]:
+                            for mb in MICRO_BATCHES:
+                                for recompute in RECOMPUTE:
+                                    yield Layout(dp=dp, tp=tp, pp=pp, vpp=vpp, ep=ep, cp=cp, micro_batch=mb,
+                                                 recompute=recompute, schedule=schedule)
+
+    def inference_layout(self, batch: int, new_tokens: int) -> Optional[Estimate]:
+        """Generation / evaluation: the fewest model-parallel ranks (tensor parallel first, it needs no
+        schedule) whose weights in the compute dtype and KV cache for `batch` sequences of seq_len +
+        `new_tokens` fit; the remaining devices replicate it (dp)."""
+        m, p = self.p.model, self.p
+        e = DTYPE_BYTES[p.hardware.dtype]
+        length = p.seq_len + new_tokens
+        options = sorted((tp * pp, pp, tp) for tp in _divisors(p.world) for pp in _divisors(p.world // tp))
+        for _, pp, tp in options:
+            layout = Layout(dp=p.world // (tp * pp), tp=tp, pp=pp, micro_batch=batch, fsdp=False)
+            if (m.num_attention_heads % tp or m.num_key_value_heads % tp or tp > p.hardware.devices_per_node
+                    or pp > m.num_hidden_layers):
+                continue
+            split = self.split(layout)
+            sp = max(self.rank_params(layout, split), key=lambda s: s.gathered)
+            layers = max(split)
+            kv_cache = 2 * layers * m.num_key_value_heads // tp * m.head_dim * batch * length * e
+            logits = batch * length * m.vocab_size / tp * 4
+            memory = Memory(params=sp.gathered * e, activations=kv_cache + logits)
+            if memory.total <= p.capacity:
+                return Estimate(layout, memory, StepTime(), 0.0, 0.0, 0.0, True)
+        return None
+
+    def search(self) -> SearchResult:
+        fitting, too_big, invalid = [], [], Counter()
+        for layout in self.layouts():
+            reason = self.invalid_reason(layout)
+            if reason is not None:
+                invalid[reason.split(" (")[0]] += 1
+                continue
+            est = self.estimate(layout)
+            (fitting if est.fits else too_big).append(est)
+        def order(est):  # fastest first; among equals the one with the most free memory
+            return (-est.tokens_per_s, est.memory.total)
+        return SearchResult(sorted(fitting, key=order), sorted(too_big, key=order), dict(invalid))
+
+
+def plain(cfg) -> SimpleNamespace:
+    """A config node as a plain namespace (nested dicts such as peak_tflops stay dicts)."""
+    if isinstance(cfg, SimpleNamespace):
+        return cfg
+    items = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else vars(cfg)
+    return SimpleNamespace(**items)
+
+
+def largest(memory: Memory) -> str:
+    """The biggest components of a memory estimate, e.g. `activations 40.1 GiB, optimizer 20.3 GiB`."""
+    names = {"params": "params", "grads": "grads", "grad_accum": "accumulated grads", "optimizer": "optimizer",
+             "activations": "activations", "buffers": "buffers"}
+    parts = sorted(((getattr(memory, k), name) for k, name in names.items()), reverse=True)
+    return ", ".join(f"{name} {value / GIB:.1f} GiB" for value, name in parts[:2])
+
+
+def problem_from_config(cfg, world: int) -> Problem:
+    """The planning problem a composed config describes, on `world` devices."""
+    return Problem(model=cfg.model, hardware=cfg.hardware, world=world, seq_len=cfg.train.seq_len,
+                   global_batch=cfg.train.global_batch_size, loss_chunk=cfg.train.loss_chunk_size,
+                   efficiency=cfg.plan.compute_efficiency, memory_margin=cfg.plan.memory_margin)

@@ -1,0 +1,120 @@
+"""Time of one training step from the hardware profile: compute, communication per parallel axis, pipeline bubble.
+
+Compute is the step's FLOPs (speedllm.train.metrics.flops_per_token, plus the re-run forward under full
+recompute) over the devices' peak times an efficiency that falls for small matrix multiplications. Collectives
+are ring-based: an all-gather or reduce-scatter moves (k-1)/k of the full tensor through each rank's link, an
+all-reduce twice that, an all-to-all (k-1)/k of what a rank sends. A group is on the intra-node link when all
+its ranks fit on one node (mesh axes, outermost first: pp, dp, cp, tp), else on the inter-node link.
+Tensor/context/expert-parallel and pipeline transfers sit on the critical path; FSDP's gathers and gradient
+reductions overlap with compute and only their excess shows.
+"""
+
+from dataclasses import dataclass
+
+from speedllm.planner.layout import Layout
+from speedllm.planner.memory import DTYPE_BYTES, MASTER_BYTES, StageParams
+from speedllm.train.metrics import flops_per_token
+
+GEMM_HALF = 128  # rows / columns at which a matmul reaches half its best efficiency
+
+
+@dataclass
+class StepTime:
+    """Seconds per step by component; `total` is their critical-path sum."""
+
+    compute: float = 0.0
+    recompute: float = 0.0
+    bubble: float = 0.0
+    tp: float = 0.0
+    cp: float = 0.0
+    ep: float = 0.0
+    pp: float = 0.0
+    dp: float = 0.0  # exposed FSDP / data-parallel communication
+    optimizer: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.recompute + self.bubble + self.tp + self.cp + self.ep + self.pp + self.dp
+                + self.optimizer)
+
+
+def link_bandwidth(hw, span: int) -> float:
+    """Bytes/s per rank of a group whose ranks lie within `span` consecutive ranks."""
+    gbps = hw.intra_node_bandwidth_gbps if span <= hw.devices_per_node else hw.inter_node_bandwidth_gbps
+    return gbps * 1e9
+
+
+def ring(k: int) -> float:
+    """Share of a tensor each rank's link carries in a ring all-gather / reduce-scatter over k ranks."""
+    return (k - 1) / k
+
+
+def gemm_efficiency(layout: Layout, m, seq_len: int, base: float) -> float:
+    """Fraction of peak the model's matmuls reach: `base` for large ones, less when the rows (tokens per
+    micro-batch on a rank) or the columns (hidden width per tensor-parallel rank) are few."""
+    rows = layout.micro_batch * seq_len / layout.cp
+    cols = m.hidden_size / layout.tp
+    return base * rows / (rows + GEMM_HALF) * cols / (cols + GEMM_HALF)
+
+
+def step_time(m, layout: Layout, hw, sp: StageParams, seq_len: int, global_batch: int, efficiency: float,
+              selective_bytes: float = 0.0) -> StepTime:
+    """Estimated seconds of one training step.
+
+    Args:
+        sp: the parameters of the busiest pipeline rank (FSDP traffic, optimizer).
+        selective_bytes: activation bytes per layer and micro-batch that selective recompute rebuilds
+            (memory-bound elementwise work).
+    """
+    t = StepTime()
+    e = DTYPE_BYTES[hw.dtype]
+    peak = hw.peak_tflops[hw.dtype] * 1e12
+    world = layout.world
+    tokens = global_batch * seq_len
+    num_micro = global_batch // (layout.micro_batch * layout.dp)
+    layers = m.num_hidden_layers / layout.pp  # per pipeline rank
+    n = layout.micro_batch * seq_len / layout.cp  # tokens of one micro-batch on one rank
+    h = m.hidden_size
+
+    rate = peak * gemm_efficiency(layout, m, seq_len, efficiency)
+    flops = flops_per_token(m, seq_len) * tokens
+    t.compute = flops / world / rate
+    if layout.recompute == "full":
+        head = 6 * m.vocab_size * h
+        t.recompute = (flops_per_token(m, seq_len) - head) / 3 * tokens / world / rate
+    elif layout.recompute == "selective":
+        t.recompute = 2 * selective_bytes * layers * num_micro / (hw.memory_bandwidth_gbps * 1e9)
+    if layout.pp > 1:
+        t.bubble = (layout.pp - 1) / (layout.vpp * num_micro) * (t.compute + t.recompute)
+
+    refwd = 1.5 if layout.recompute == "full" else 1.0  # a re-run forward repeats the forward's collectives
+    if layout.tp > 1:
+        # with SP: all-gather before and reduce-scatter after attention and the MLP, forward and backward
+        volume = 8 * refwd * ring(layout.tp) * n * h * e
+        t.tp = volume * layers * num_micro / link_bandwidth(hw, layout.tp)
+    if layout.cp > 1:
+        kv = 2 * m.num_key_value_heads * m.head_dim / layout.tp
+        volume = 2 * refwd * (layout.cp - 1) * n * kv * e  # gather K/V forward, reduce their gradient backward
+        t.cp = volume * layers * num_micro / link_bandwidth(hw, layout.cp * layout.tp)
+    if layout.ep > 1 and m.num_experts > 0:
+        # dispatch + combine forward, and their gradients backward
+        volume = 4 * refwd * ring(layout.ep) * n * m.num_experts_per_tok * h * e
+        t.ep = volume * layers * num_micro / link_bandwidth(hw, layout.ep * layout.tp)
+    if layout.pp > 1:
+        sp_div = layout.tp if layout.sequence_parallel else 1
+        volume = 2 * n * h * e / sp_div * layout.vpp  # activations forward, their gradient backward
+        t.pp = volume * num_micro / link_bandwidth(hw, world)
+
+    data = layout.dp * layout.cp  # FSDP shards over dp x cp (speedllm.parallel.fsdp)
+    if data > 1:
+        bw = link_bandwidth(hw, data * layout.tp)
+        if layout.fsdp:
+            gathers = 1 if layout.pp > 1 or not layout.reshard_after_forward else 2 * num_micro
+            volume = ring(data) * sp.gathered * (gathers * e + MASTER_BYTES)
+        else:
+            volume = 2 * ring(layout.dp) * sp.gathered * MASTER_BYTES
+        t.dp = max(0.0, volume / bw - t.compute)
+    # AdamW reads parameter, gradient and two moments and writes three of them back (fp32)
+    t.optimizer = sp.sharded * 7 * MASTER_BYTES / (hw.memory_bandwidth_gbps * 1e9)
+    return t
+

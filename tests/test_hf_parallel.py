@@ -1,0 +1,103 @@
+"""An HF directory loaded straight into parallel layouts, and exported from a parallel run, through the launcher.
+
+First-step loss of `task=pretrain model=hf checkpoint.load_hf=<dir>` equals transformers' loss on the same
+batches (single process), and FSDP2 / TP2 / PP2 runs equal the single process. A TP2 x PP2 run's checkpoint,
+converted to HF, gives in transformers the logits of our model loaded from that checkpoint.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from speedllm.config.schema import ROOT
+from test_hf import save_hf
+
+RUN = ["task=pretrain", "model=hf", "hardware=cpu", "train.steps=1", "train.seq_len=32", "train.micro_batch_size=2",
+       "train.global_batch_size=4", "train.log_every=1", "train.eval_every=0", "logging.progress_bar=false",
+       "logging.tensorboard=false", "generate.num_samples=0"]
+
+
+def launch(run_dir: Path, *overrides) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), f"hydra.run.dir={run_dir}", *overrides],
+                          capture_output=True, text=True, timeout=300, cwd=run_dir)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def first_loss(run_dir: Path) -> float:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return next(r["loss"] for r in records if r["step"] == 1 and "split" not in r)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """Tiny tied-embedding Qwen3 over the demo tokenizer's 8192 ids, saved by transformers in several shards."""
+    return save_hf("dense_tied", tmp_path_factory.mktemp("hf"), vocab_size=8192, max_shard_size="300KB")
+
+
+@pytest.fixture(scope="module")
+def single(hf_dir, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single")
+    launch(run_dir, *RUN, f"checkpoint.load_hf={hf_dir}", "checkpoint.save_final=false")
+    return run_dir
+
+
+def test_single_process_first_loss_is_transformers_loss(hf_dir, single):
+    from transformers import AutoModelForCausalLM
+
+    from speedllm.data.loader import build_loader
+
+    cfg = OmegaConf.load(single / "config.yaml")
+    loader = iter(build_loader(cfg, "train", 0, 1, 2, 32, cfg.seed))
+    reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ce_sum, count = 0.0, 0
+    with torch.no_grad():
+        for _ in range(2):  # global batch 4 = 2 micro-batches of 2
+            batch = next(loader)
+            logits = reference(batch["tokens"]).logits
+            ce_sum += torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
+                                                        ignore_index=-100, reduction="sum").item()
+            count += (batch["labels"] != -100).sum().item()
+    assert abs(first_loss(single) - ce_sum / count) <= 2e-5
+
+
+@pytest.mark.parametrize("parallel", ["fsdp2", "tp2", "pp2"])
+def test_parallel_layouts_load_hf_to_the_single_process_loss(parallel, hf_dir, single, tmp_path):
+    launch(tmp_path, *RUN, f"parallel={parallel}", f"checkpoint.load_hf={hf_dir}", "checkpoint.save_final=false")
+    assert abs(first_loss(tmp_path) - first_loss(single)) <= 2e-5
+
+
+def test_tp2_pp2_checkpoint_exports_to_transformers(hf_dir, single, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from speedllm.checkpoint.convert import dcp_to_hf
+    from speedllm.checkpoint.dcp import _quiet_dcp
+    from speedllm.models.qwen3 import Qwen3
+
+    launch(tmp_path / "train", *RUN, "parallel=tp2_pp2", f"checkpoint.load_hf={hf_dir}")
+    checkpoint = tmp_path / "train" / "checkpoints" / "step_00000001"
+    saved = OmegaConf.load(checkpoint / "config.yaml")
+    assert abs(first_loss(tmp_path / "train") - first_loss(single)) <= 2e-5
+    saved.convert.max_shard_size = "300KB"  # task=convert in this process (the launcher's path: test_hf.py)
+    dcp_to_hf(str(checkpoint), str(tmp_path / "hf"), saved)
+
+    ours = Qwen3(saved.model)
+    state = {"model": get_model_state_dict(ours)}
+    with _quiet_dcp():  # a single process reading a 4-rank checkpoint, on purpose
+        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    set_model_state_dict(ours, state["model"])
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    tokens = torch.randint(0, 8192, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (exported(tokens).logits - ours.eval()(tokens)).abs().max().item() <= 1e-6
+    # the run trained the weights it loaded: the export is not the original
+    original = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    assert not torch.equal(original.model.norm.weight, exported.model.norm.weight)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_hidden_layers"] == 2

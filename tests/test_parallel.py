@@ -1,0 +1,122 @@
+"""Every parallel layout trains like the single process, through the real launcher on CPU/gloo.
+
+Each layout runs 5 steps of a global batch of 8 sequences (the single-process reference: the same 8 as 4
+micro-batches of 2) from the same initial weights (rank 0 initializes, see speedllm/parallel/weights.py).
+Losses must agree within 1e-5 (relative), parameters after step 5 within 1e-4. The TP2 x PP2 checkpoint
+then resumes under FSDP over 4 ranks and under one process with the single run's step-6 loss.
+Layout runs start a few at a time (they mostly wait on each other's collectives, not on the CPU).
+"""
+
+import json
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from speedllm.config.schema import ROOT
+
+DENSE = ["model=qwen3_tiny", "model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=4",
+         "model.head_dim=16"]
+MOE = ["model=qwen3_moe_tiny", "model.hidden_size=64", "model.moe_intermediate_size=32",
+       "model.num_hidden_layers=2", "model.head_dim=16"]
+# A constant LR after 2 warmup steps: the schedule does not depend on train.steps, so runs that stop at
+# step 5 (stop_after) and runs that go on to step 6 see the same learning rates.
+RUN = ["hardware=cpu", "train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=8",
+       "train.log_every=1", "train.eval_every=0", "train.steps=6", "optim.warmup_steps=2", "optim.schedule=constant",
+       "logging.progress_bar=false", "logging.tensorboard=false", "generate.num_samples=0"]
+LAYOUTS = {  # name: (model, parallel overrides)
+    "fsdp2": (DENSE, ["parallel=fsdp2"]),
+    "tp2": (DENSE, ["parallel=tp2"]),
+    "pp2": (DENSE, ["parallel=pp2"]),  # 1F1B
+    "pp2_vpp2": (DENSE, ["parallel=pp2_vpp2"]),  # Interleaved1F1B, 2 virtual stages per rank
+    "fsdp2_tp2": (DENSE, ["parallel=fsdp2_tp2"]),
+    "tp2_pp2": (DENSE, ["parallel=tp2_pp2"]),
+    "cp2": (DENSE, ["parallel=cp2"]),
+    "ep2": (MOE, ["parallel=ep2"]),
+}
+CONCURRENT = 3
+
+
+def start(run_dir: Path, *overrides) -> subprocess.Popen:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([sys.executable, str(ROOT / "launch.py"), f"hydra.run.dir={run_dir}", *RUN, *overrides],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=run_dir)
+
+
+def run_all(jobs: dict) -> None:
+    """Run {run_dir: overrides} launches, CONCURRENT at a time; fail with the output of any that fails."""
+    pending, running = list(jobs.items()), []
+    while pending or running:
+        while pending and len(running) < CONCURRENT:
+            run_dir, overrides = pending.pop(0)
+            running.append((run_dir, start(run_dir, *overrides)))
+        time.sleep(0.5)
+        for run_dir, proc in list(running):
+            if proc.poll() is not None:
+                running.remove((run_dir, proc))
+                output = proc.stdout.read()
+                assert proc.returncode == 0, f"{run_dir.name}:\n{output[-4000:]}"
+
+
+def losses(run_dir: Path) -> list:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "split" not in r]
+
+
+def saved_weights(checkpoint: Path) -> dict:
+    """A checkpoint's model weights, loaded by DCP into a single-process model (as a resume would)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from speedllm.models.qwen3 import Qwen3
+
+    model = Qwen3(OmegaConf.load(checkpoint / "config.yaml").model)
+    state = {"model": get_model_state_dict(model)}
+    with warnings.catch_warnings():  # DCP warns that it loads without a process group: intended here
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    set_model_state_dict(model, state["model"])
+    return model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Run directories: single-process references (6 steps), every layout (5 steps, checkpoint at 5)."""
+    root = tmp_path_factory.mktemp("parallel")
+    jobs = {root / "single": [*DENSE, "parallel=single", "checkpoint.every=5"],
+            root / "single_moe": [*MOE, "parallel=single", "checkpoint.every=5"]}
+    for name, (model, parallel) in LAYOUTS.items():
+        jobs[root / name] = [*model, *parallel, "train.stop_after=5"]
+    run_all(jobs)
+    return root
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_single_process(layout, runs):
+    reference = runs / ("single_moe" if LAYOUTS[layout][0] is MOE else "single")
+    expected, got = losses(reference)[:5], losses(runs / layout)
+    assert len(got) == 5
+    for a, b in zip(got, expected):
+        assert abs(a - b) <= 1e-5 * abs(b), (got, expected)
+    ours = saved_weights(runs / layout / "checkpoints" / "step_00000005")
+    theirs = saved_weights(reference / "checkpoints" / "step_00000005")
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        assert (ours[name] - theirs[name]).abs().max().item() <= 1e-4, name
+    assert not torch.equal(theirs["norm.weight"], torch.ones_like(theirs["norm.weight"]))  # it trained
+
+
+def test_tp2_pp2_checkpoint_resumes_under_fsdp4_and_single_process(runs, tmp_path):
+    checkpoint = runs / "tp2_pp2" / "checkpoints" / "step_00000005"
+    jobs = {tmp_path / "fsdp4": [*DENSE, "parallel=fsdp4", f"checkpoint.load={checkpoint}"],
+            tmp_path / "single": [*DENSE, "parallel=single", f"checkpoint.load={checkpoint}"]}
+    run_all(jobs)
+    expected = losses(runs / "single")[5]
+    for run_dir in jobs:
+        (resumed,) = losses(run_dir)  # step 6 only
+        assert abs(resumed - expected) <= 1e-5 * expected, run_dir.name

@@ -1,0 +1,159 @@
+"""The planner: exact parameter counts, predicted vs measured peak memory in one process, MindSpeed's published
+Qwen3 layouts, `parallel=auto` and `task=plan` end to end (multi-rank checks: test_planner_dist.py)."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from speedllm.config import register_configs
+from speedllm.config.schema import ROOT, HardwareConfig, ModelConfig
+from speedllm.config.validate import validate
+from speedllm.planner import choose_layout
+from speedllm.planner.layout import Layout, layout_from_config, stage_layers
+from speedllm.planner.measure import measure_training_step
+from speedllm.planner.memory import rank_params
+from speedllm.planner.search import Planner, Problem, problem_from_config
+
+# MindSpeed-LLM's published Qwen3 pretraining setups (shared/reference/qwen3.md): model, NPUs, degrees,
+# micro / global batch, and the recompute they state (None: not stated). Sequence length 4096.
+MINDSPEED = [
+    ("qwen3_0.6b", 8, dict(tp=1, pp=1), 1, 32, None),
+    ("qwen3_1.7b", 8, dict(tp=1, pp=1), 1, 32, None),
+    ("qwen3_4b", 8, dict(tp=1, pp=1), 1, 64, None),
+    ("qwen3_8b", 8, dict(tp=1, pp=2), 1, 64, None),
+    ("qwen3_14b", 8, dict(tp=8, pp=1), 4, 128, None),
+    ("qwen3_32b", 16, dict(tp=8, pp=2, vpp=8), 2, 256, None),
+    ("qwen3_30b_a3b", 16, dict(tp=1, pp=2, ep=8), 1, 256, "full"),
+    ("qwen3_235b_a22b", 256, dict(tp=1, pp=4, vpp=8, ep=32), 1, 1024, "full"),  # "block recompute"
+]
+
+
+def composed(*overrides):
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
+def model_config(name):
+    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml"),
+                           {"tokenizer": "unused"})
+
+
+def hardware(name):
+    return OmegaConf.merge(OmegaConf.structured(HardwareConfig), OmegaConf.load(ROOT / "conf" / "hardware" / f"{name}.yaml"))
+
+
+def mindspeed_estimate(planner, world, degrees, micro, recompute):
+    """MindSpeed's layout costed by the planner, with its stated recompute or else the least that fits."""
+    dp = world // (degrees.get("tp", 1) * degrees.get("pp", 1))
+    schedule = "Interleaved1F1B" if degrees.get("vpp", 1) > 1 else "1F1B"
+    for policy in [recompute] if recompute else ["none", "selective", "full"]:
+        est = planner.estimate(Layout(dp=dp, micro_batch=micro, recompute=policy, schedule=schedule, **degrees))
+        if est.fits:
+            break
+    return est
+
+
+@pytest.mark.parametrize("name", ["qwen3_tiny", "qwen3_moe_tiny", "qwen3_8b"])
+def test_single_rank_parameter_count_is_the_models(name):
+    from speedllm.models.qwen3 import Qwen3, num_params
+
+    cfg = model_config(name)
+    with torch.device("meta"):
+        expected = num_params(Qwen3(cfg))
+    planner = Planner(Problem(cfg, hardware("cpu"), 1, 128, 1))
+    layout = Layout()
+    assert rank_params(planner.mt, layout, planner.split(layout), 0).sharded == expected
+
+
+def test_stage_split_is_even_with_larger_middle_stages():
+    assert stage_layers(94, 4) == [23, 24, 24, 23]
+    assert stage_layers(96, 32) == [3] * 32
+    assert sum(stage_layers(94, 32)) == 94 and max(stage_layers(94, 32)) - min(stage_layers(94, 32)) == 1
+
+
+@pytest.mark.parametrize("overrides", [
+    ["train.micro_batch_size=2", "train.global_batch_size=2"],
+    ["train.micro_batch_size=2", "train.global_batch_size=4", "train.recompute=full"],
+    ["train.micro_batch_size=2", "train.global_batch_size=2", "train.recompute=selective"],
+])
+def test_predicted_peak_within_15_percent_of_measured_single_process(overrides, tmp_path):
+    """The second of two real training steps (the loop's build_model / train_step): peak live tensor bytes."""
+    from speedllm.runtime import Runtime
+
+    cfg = composed("hardware=cpu", "parallel=single", "train.seq_len=128", *overrides)
+    cfg.run_dir = str(tmp_path)
+    torch.manual_seed(0)
+    measured = measure_training_step(cfg, Runtime())
+    planner = Planner(problem_from_config(cfg, 1))
+    memory = planner.estimate(layout_from_config(cfg.parallel, cfg.train)).memory
+    assert (measured["param_bytes"], measured["grad_bytes"], measured["optimizer_bytes"]) == (
+        memory.params, memory.grads, memory.optimizer)
+    assert 0.85 <= memory.total / measured["peak"] <= 1.15, (memory, measured)
+
+
+@pytest.mark.parametrize("name,world,degrees,micro,global_batch,recompute", MINDSPEED)
+def test_mindspeed_layouts_fit_and_ours_is_at_least_as_fast(name, world, degrees, micro, global_batch, recompute):
+    hw = hardware("npu_a3" if name == "qwen3_8b" and world == 16 else "npu_a2")
+    planner = Planner(Problem(model_config(name), hw, world, 4096, global_batch))
+    dp = world // (degrees.get("tp", 1) * degrees.get("pp", 1))
+    theirs = mindspeed_estimate(planner, world, degrees, micro, recompute)
+    assert planner.invalid_reason(Layout(dp=dp, micro_batch=micro, **degrees)) in (
+        None, "MoE models run with tp=1 and pp=1 (experts use ep)")
+    assert theirs.fits, theirs.reason
+    start = time.perf_counter()
+    best = planner.search().best
+    assert time.perf_counter() - start < 30
+    assert best.fits and best.tokens_per_s >= theirs.tokens_per_s
+
+
+def test_parallel_auto_fills_a_valid_layout():
+    cfg = composed("model=qwen3_8b", "hardware=npu_a2", "parallel=auto", "launcher.nproc_per_node=8",
+                   "train.seq_len=4096", "train.global_batch_size=64")
+    OmegaConf.set_struct(cfg, False)
+    choose_layout(cfg)
+    p = cfg.parallel
+    assert p.dp * p.tp * p.pp * p.cp == 8
+    cfg.task.name = "plan"  # the layout rules only: no device or data checks on this machine
+    validate(cfg, 8, 8)
+    planner = Planner(problem_from_config(cfg, 8))
+    chosen = planner.estimate(layout_from_config(p, cfg.train), p.pp_layers)
+    assert chosen.fits and chosen.tokens_per_s == planner.search().best.tokens_per_s
+
+
+def test_task_plan_for_235b_on_256_npus_prints_its_table_in_under_a_minute(tmp_path):
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), f"hydra.run.dir={tmp_path}", "task=plan",
+                           "model=qwen3_235b_a22b", "hardware=npu_a2", "launcher.nnodes=16",
+                           "launcher.nproc_per_node=16", "train.seq_len=4096", "train.global_batch_size=1024"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("plan: qwen3_235b_a22b on 256 x npu_a2")
+    assert any(line.split()[:1] == ["1"] for line in lines)  # the first row of the ranked table
+    assert "rejected" in proc.stdout
+    assert elapsed < 60
+
+
+def test_plan_says_why_a_user_layout_does_not_fit(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), f"hydra.run.dir={tmp_path}", "task=plan",
+                           "model=qwen3_32b", "hardware=npu_a2", "parallel=tp8", "launcher.nproc_per_node=8",
+                           "train.seq_len=4096", "train.global_batch_size=64", "train.micro_batch_size=8"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "your layout (parallel=tp8)" in proc.stdout
+    assert "rejected: needs" in proc.stdout
+
+
+def test_parallel_auto_for_generation_splits_only_what_does_not_fit():
+    cfg = composed("model=qwen3_32b", "hardware=npu_a2", "parallel=auto", "task=generate",
+                   "launcher.nproc_per_node=2")
+    OmegaConf.set_struct(cfg, False)
+    choose_layout(cfg)  # 32.8B bf16 weights (61 GiB) do not fit one 64 GiB NPU, half of them do
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp) == (2, 1, 1)

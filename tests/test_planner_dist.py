@@ -1,0 +1,43 @@
+"""The planner against what multi-rank CPU runs actually hold and allocate (gloo, the tiny models).
+
+Each layout runs the real training code path (speedllm.train.loop.build_model and train_step) on 2 spawned
+ranks (speedllm.planner.measure.measure_layout). Measured per rank: the parameter elements it stores (local
+shards), the bytes of its weights, of the gradients the update sees and of the AdamW states, and the peak
+bytes of live tensor storage during a step (PeakTensorMemory: every allocation an op makes, FSDP2's storage
+resizes, minus frees — the CPU analogue of torch.cuda.max_memory_allocated). The planner's numbers must
+equal the first four exactly and the peak within 15%.
+"""
+
+import pytest
+
+from speedllm.planner.layout import layout_from_config
+from speedllm.planner.measure import compose_config, measure_layout
+from speedllm.planner.memory import rank_params
+from speedllm.planner.search import Planner, problem_from_config
+
+COMMON = ["hardware=cpu", "train.seq_len=128", "train.micro_batch_size=2", "train.global_batch_size=4",
+          "train.loss_chunk_size=256"]
+
+
+def predicted(overrides, world):
+    """(parameter elements per pipeline rank, Memory per pipeline rank) from the planner."""
+    cfg = compose_config(overrides)
+    cfg.parallel.dp = world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
+    planner = Planner(problem_from_config(cfg, world))
+    layout = layout_from_config(cfg.parallel, cfg.train)
+    split = planner.split(layout, cfg.parallel.pp_layers)
+    held = [rank_params(planner.mt, layout, split, r).sharded for r in range(layout.pp)]
+    return held, planner.rank_memories(layout, cfg.parallel.pp_layers)
+
+
+@pytest.mark.parametrize("model,parallel", [
+    ("qwen3_tiny", "fsdp2"), ("qwen3_moe_tiny", "fsdp2"), ("qwen3_tiny", "tp2"), ("qwen3_tiny", "pp2")])
+def test_planner_matches_sharded_runs(model, parallel, tmp_path):
+    overrides = [f"model={model}", f"parallel={parallel}", *COMMON]
+    records = measure_layout(overrides, 2, tmp_path)
+    held, memories = predicted(overrides, 2)
+    for rec in records:
+        mem = memories[rec["pp_rank"]]
+        assert rec["held"] == held[rec["pp_rank"]], rec
+        assert (rec["param_bytes"], rec["grad_bytes"], rec["optimizer_bytes"]) == (mem.params, mem.grads, mem.optimizer)
+        assert 0.85 <= mem.total / rec["peak"] <= 1.15, (rec, mem)
