@@ -43,6 +43,18 @@ def device_for(cfg: DictConfig, local_rank: int) -> torch.device:
     return torch.device(kind, local_rank)
 
 
+def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> "dist.Store":
+    """The rendezvous store, with keys private to this attempt of an elastic job.
+
+    After a restart (launcher.max_restarts) torch 2.13's agent store still holds the previous attempt's
+    process-group keys, and gloo then dials dead peers; a per-attempt prefix keeps the attempts apart.
+    """
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_hosts_it, timeout=timeout)
+    return dist.PrefixStore(f"speedllm/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def init_runtime(cfg: DictConfig, distributed: bool = True) -> Runtime:
     """Set the hardware profile's environment, the device, the process group (if several ranks) and the mesh.
 
@@ -57,8 +69,10 @@ def init_runtime(cfg: DictConfig, distributed: bool = True) -> Runtime:
     mesh = None
     if world_size > 1:
         if not dist.is_initialized():
-            dist.init_process_group(cfg.hardware.backend, timeout=datetime.timedelta(minutes=10),
-                                    device_id=device if device.type != "cpu" else None)
+            timeout = datetime.timedelta(minutes=10)
+            store = _attempt_store(rank, world_size, timeout)
+            dist.init_process_group(cfg.hardware.backend, timeout=timeout, store=store, rank=rank,
+                                    world_size=world_size, device_id=device if device.type != "cpu" else None)
         mesh = build_mesh(cfg, device.type)
     seed_everything(cfg.seed)
     return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mesh=mesh)

@@ -114,12 +114,12 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     # defaults: the `python launch.py` demo, about two minutes of qwen3_tiny on 2 idle CPU cores
-    steps: int = 120
+    steps: int = 400
     seq_len: int = 128
     micro_batch_size: int = 4
     global_batch_size: int = 8
     log_every: int = 10
-    eval_every: int = 40
+    eval_every: int = 100
     eval_steps: int = 5
     grad_clip: float = 1.0
     recompute: str = "none"  # none | selective | full

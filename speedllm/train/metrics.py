@@ -94,7 +94,7 @@ class MetricsLogger:
         if self.bar is not None:
             shown = {k: metrics[k] for k in ("loss", "lr", "tokens_per_s", "mfu") if k in metrics}
             self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
-            self.bar.write(f"[{prefix}] step {step} " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        self.message(f"[{prefix}] step {step} " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
 
     def message(self, text: str) -> None:
         """A line on the console of the main rank, without breaking the progress bar."""
