@@ -184,16 +184,22 @@ def worker_main(frozen: str) -> None:
     register_configs()
     cfg = OmegaConf.load(frozen)
     rt = init_runtime(cfg)
+    status = 0
     try:
         run_task(cfg, rt)
         if dist.is_initialized():
             dist.barrier()  # no rank tears its process groups down while a peer may still talk to it
     except UserError as e:
         print(f"error: [rank {rt.rank}] {e}", file=sys.stderr)
-        sys.exit(2)
+        status = 2
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Skip the interpreter's teardown: gloo's C++ worker threads can abort it ("terminate called without an
+    # active exception") after the job is done. Everything the task wrote is closed by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":

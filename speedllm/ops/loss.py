@@ -25,15 +25,26 @@ def _loss_and_grad_(logits_NV: torch.Tensor, labels_N: torch.Tensor):
     return loss, probs.mul_(keep)
 
 
-class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+def _local_chunk(h_ND, weight_VD, labels_N):
+    return _loss_and_grad_((h_ND @ weight_VD.t()).float(), labels_N)
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Output projection + cross-entropy, chunk by chunk: each chunk's logits turn into their gradient in place
+    right away, and only the gradients with respect to the hidden states and the weight are kept for backward.
+
+    `chunk_fn(h_ND, weight_VD, labels_N) -> (loss sum, grad of the logits)` does one chunk; tensor parallelism
+    passes a vocabulary-parallel one (speedllm.parallel.tensor).
+    """
+
     @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, labels_N, chunk_size):
+    def forward(ctx, hidden_ND, weight_VD, labels_N, chunk_size, chunk_fn=_local_chunk):
         grad_hidden = torch.empty_like(hidden_ND)
         grad_weight = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden_ND.device)
         for start in range(0, hidden_ND.shape[0], chunk_size):
             h = hidden_ND[start : start + chunk_size]
-            loss, grad_logits = _loss_and_grad_((h @ weight_VD.t()).float(), labels_N[start : start + chunk_size])
+            loss, grad_logits = chunk_fn(h, weight_VD, labels_N[start : start + chunk_size])
             grad_hidden[start : start + chunk_size] = grad_logits.to(weight_VD.dtype) @ weight_VD
             grad_weight.addmm_(grad_logits.t(), h.float())
             total += loss
@@ -43,7 +54,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_total, grad_weight * grad_total, None, None
+        return grad_hidden * grad_total, grad_weight * grad_total, None, None, None
 
 
 def chunked_cross_entropy(hidden_ND, weight_VD, labels_N, chunk_size, cross_entropy):
@@ -55,7 +66,7 @@ def chunked_cross_entropy(hidden_ND, weight_VD, labels_N, chunk_size, cross_entr
             wanted (evaluation); with gradients the fused in-place loss-and-gradient above is used.
     """
     if torch.is_grad_enabled() and (hidden_ND.requires_grad or weight_VD.requires_grad):
-        return _ChunkedLinearCrossEntropy.apply(hidden_ND, weight_VD, labels_N, chunk_size)
+        return ChunkedLinearCrossEntropy.apply(hidden_ND, weight_VD, labels_N, chunk_size)
     total = torch.zeros((), dtype=torch.float32, device=hidden_ND.device)
     for start in range(0, hidden_ND.shape[0], chunk_size):
         logits = hidden_ND[start : start + chunk_size] @ weight_VD.t()

@@ -12,6 +12,8 @@ so no rank ever holds logits over the whole vocabulary.
 Letters: N tokens, D hidden, V vocabulary (Vt: this rank's share of it).
 """
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -26,6 +28,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from speedllm.ops.loss import ChunkedLinearCrossEntropy
 
 
 def root_plan(sequence_parallel: bool) -> dict:
@@ -88,34 +91,6 @@ def _vocab_parallel_chunk(h_ND, weight_VtD, labels_N, vocab_start, group):
     return loss, probs.mul_(keep[:, None])
 
 
-class _VocabParallelLoss(torch.autograd.Function):
-    """Chunked output projection + cross-entropy with the vocabulary split over a process group.
-
-    Same scheme as speedllm.ops.loss: each chunk's logits turn into their gradient in place right away, and
-    only the gradients with respect to the (replicated) hidden states and the local weight rows are kept.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden_ND, weight_VtD, labels_N, chunk_size, vocab_start, group):
-        grad_hidden = torch.empty_like(hidden_ND)
-        grad_weight = torch.zeros(weight_VtD.shape, dtype=torch.float32, device=weight_VtD.device)
-        total = torch.zeros((), dtype=torch.float32, device=hidden_ND.device)
-        for start in range(0, hidden_ND.shape[0], chunk_size):
-            h = hidden_ND[start : start + chunk_size]
-            loss, grad_logits = _vocab_parallel_chunk(h, weight_VtD, labels_N[start : start + chunk_size],
-                                                      vocab_start, group)
-            grad_hidden[start : start + chunk_size] = grad_logits.to(weight_VtD.dtype) @ weight_VtD
-            grad_weight.addmm_(grad_logits.t(), h.float())
-            total += loss
-        ctx.save_for_backward(grad_hidden, grad_weight.to(weight_VtD.dtype))
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_total):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_total, grad_weight * grad_total, None, None, None, None
-
-
 def vocab_parallel_output_loss(hidden_ND, weight_VD, labels_N, chunk_size, cross_entropy=None):
     """Drop-in for speedllm.ops.loss.chunked_cross_entropy with a vocabulary-sharded output weight.
 
@@ -130,8 +105,8 @@ def vocab_parallel_output_loss(hidden_ND, weight_VD, labels_N, chunk_size, cross
     else:
         hidden_ND = DTensor.from_local(hidden_ND, mesh, [Replicate()]).to_local(grad_placements=[Partial()])
     _, offset = compute_local_shape_and_global_offset(weight_VD.shape, mesh, weight_VD.placements)
-    return _VocabParallelLoss.apply(hidden_ND, weight_VD.to_local(), labels_N, chunk_size, offset[0],
-                                    mesh.get_group())
+    chunk_fn = partial(_vocab_parallel_chunk, vocab_start=offset[0], group=mesh.get_group())
+    return ChunkedLinearCrossEntropy.apply(hidden_ND, weight_VD.to_local(), labels_N, chunk_size, chunk_fn)
 
 
 def _shard_grad_like_param(param: DTensor) -> None:
