@@ -130,10 +130,10 @@ def materialize(model: nn.Module, cfg: DictConfig, rt) -> None:
             shard_embedding_grad(part)
     if getattr(model, "pipeline", None) is not None:
         model.pipeline.retie()
-    if rt.world_size == 1:
+    if rt.world_size == 1 and rt.device.type == "cpu":
         with torch.no_grad():
             model.init_weights()
-    else:
+    else:  # initialized in host memory (the same RNG stream on every layout and device), then placed
         init_from_rank0(parts, cfg, rt.device)
 
 

@@ -1,10 +1,12 @@
 """Materialize a parallelized model with exactly the weights a single-process run would start from.
 
-Rank 0 builds the whole model on its device and initializes it with `Qwen3.init_weights` from the same RNG
+Rank 0 builds the whole model in host memory and initializes it with `Qwen3.init_weights` from the same RNG
 state a single process has at that point; every tensor is then broadcast over the world, one at a time, and
 each rank keeps its own piece (a DTensor shard, or a pipeline stage's tensors). So every layout starts from
 the same weights as `parallel=single`, and a parallel run can be checked against it number for number.
-Peak extra memory: the whole model on rank 0, one full tensor on the others.
+Peak extra memory: the whole fp32 model in rank 0's host memory (not on its accelerator), one full tensor at a
+time on every device. For models whose fp32 weights exceed a host's memory this start does not scale; load
+weights instead (checkpoint.load / checkpoint.load_hf read only each rank's shards).
 """
 
 from collections import Counter
@@ -42,8 +44,9 @@ def init_from_rank0(modules: list, cfg: DictConfig, device: torch.device) -> Non
     Args:
         modules: this rank's model parts (one Qwen3, or several pipeline stages); every rank calls this.
     """
-    if dist.get_rank() == 0:
-        full = _full_model(cfg, device)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        full = _full_model(cfg, torch.device("cpu"))
         full.init_weights()
         source = full.state_dict(keep_vars=True)
     else:
@@ -58,8 +61,9 @@ def init_from_rank0(modules: list, cfg: DictConfig, device: torch.device) -> Non
     for name, tensor in source.items():
         buffer = received.get(id(tensor))
         if buffer is None:
-            buffer = tensor if dist.get_rank() == 0 else torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-            dist.broadcast(buffer, src=0)
+            buffer = tensor.to(device) if rank == 0 else torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+            if dist.is_initialized():
+                dist.broadcast(buffer, src=0)
             if id(tensor) in shared:
                 received[id(tensor)] = buffer
         target = targets.get(name)
