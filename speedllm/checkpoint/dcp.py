@@ -134,4 +134,4 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     if not extra_file.is_file():
         # more ranks than the checkpoint was written with: replicated state (step, RNG seed stream) from rank 0
         extra_file = path / "extra_rank0.pt"
-    return torch.load(extra_file, weights_only=False)
+    return torch.load(extra_file, weights_only=True)

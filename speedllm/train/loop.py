@@ -162,7 +162,10 @@ def evaluate(model: nn.Module, cfg: DictConfig, dp_rank: int, dp_size: int, grou
 
 
 def rng_state(device: torch.device) -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG's state as tensors and plain Python values, so checkpoints load with weights_only=True."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
+                                                    cached), "torch": torch.get_rng_state()}
     if device.type != "cpu":
         state["device"] = getattr(torch, device.type).get_rng_state(device)
     return state
@@ -170,7 +173,8 @@ def rng_state(device: torch.device) -> dict:
 
 def set_rng_state(state: dict, device: torch.device) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "device" in state:
         getattr(torch, device.type).set_rng_state(state["device"], device)
