@@ -96,7 +96,7 @@ def main() -> None:
         prefill[name] = PREFILL_LEN / seconds
     rows.append((f"prefill tokens/s, 1 x {PREFILL_LEN}", prefill, None))
 
-    print(f"| metric | transformers | speedllm | ratio | same ids |\n|---|---|---|---|---|")
+    print("| metric | transformers | speedllm | ratio | same ids |\n|---|---|---|---|---|")
     for metric, values, same in rows:
         ratio = values["speedllm"] / values["transformers"]
         print(f"| {metric} | {values['transformers']:.1f} | {values['speedllm']:.1f} | {ratio:.2f}x | "

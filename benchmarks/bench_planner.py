@@ -15,49 +15,33 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from speedllm.config.schema import ROOT, HardwareConfig, ModelConfig  # noqa: E402
-from speedllm.planner.layout import Layout, layout_from_config  # noqa: E402
+from speedllm.config.schema import ROOT, ModelConfig  # noqa: E402
+from speedllm.hardware import load_profile  # noqa: E402
+from speedllm.planner.layout import layout_from_config  # noqa: E402
 from speedllm.planner.measure import compose_config, measure_layout, measure_training_step  # noqa: E402
 from speedllm.planner.memory import GIB, rank_params  # noqa: E402
+from speedllm.planner.mindspeed import PUBLISHED, published_estimate  # noqa: E402
 from speedllm.planner.search import Planner, Problem, problem_from_config  # noqa: E402
 
-# model, NPUs, hardware, degrees, micro / global batch, stated recompute (shared/reference/qwen3.md)
-MINDSPEED = [
-    ("qwen3_0.6b", 8, "npu_a2", dict(tp=1, pp=1), 1, 32, None),
-    ("qwen3_1.7b", 8, "npu_a2", dict(tp=1, pp=1), 1, 32, None),
-    ("qwen3_4b", 8, "npu_a2", dict(tp=1, pp=1), 1, 64, None),
-    ("qwen3_8b", 8, "npu_a2", dict(tp=1, pp=2), 1, 64, None),
-    ("qwen3_8b", 16, "npu_a3", dict(tp=2, pp=1), 1, 64, None),
-    ("qwen3_14b", 8, "npu_a2", dict(tp=8, pp=1), 4, 128, None),
-    ("qwen3_32b", 16, "npu_a2", dict(tp=8, pp=2, vpp=8), 2, 256, None),
-    ("qwen3_30b_a3b", 16, "npu_a2", dict(tp=1, pp=2, ep=8), 1, 256, "full"),
-    ("qwen3_235b_a22b", 256, "npu_a2", dict(tp=1, pp=4, vpp=8, ep=32), 1, 1024, "full"),
-]
 MEASURED = [("qwen3_tiny", "single", 1), ("qwen3_tiny", "fsdp2", 2), ("qwen3_moe_tiny", "fsdp2", 2),
             ("qwen3_tiny", "tp2", 2), ("qwen3_tiny", "pp2", 2)]
 COMMON = ["hardware=cpu", "train.seq_len=128", "train.micro_batch_size=2", "train.global_batch_size=4",
           "train.loss_chunk_size=256"]
 
 
-def load(group, name, schema):
-    return OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.load(ROOT / "conf" / group / f"{name}.yaml"))
+def model_config(name):
+    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml"),
+                           {"tokenizer": "unused"})
 
 
 def mindspeed_table() -> None:
     print("| model | devices | MindSpeed layout (recompute) | GiB/dev | est. tokens/s | planner's choice | GiB/dev | "
           "est. tokens/s | search s |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for name, world, hw_name, degrees, micro, global_batch, recompute in MINDSPEED:
-        model = load("model", name, ModelConfig)
-        model.tokenizer = "unused"
+    for name, world, hw_name, degrees, micro, global_batch, recompute in PUBLISHED:
         start = time.perf_counter()
-        planner = Planner(Problem(model, load("hardware", hw_name, HardwareConfig), world, 4096, global_batch))
-        dp = world // (degrees.get("tp", 1) * degrees.get("pp", 1))
-        schedule = "Interleaved1F1B" if degrees.get("vpp", 1) > 1 else "1F1B"
-        for policy in [recompute] if recompute else ["none", "selective", "full"]:
-            theirs = planner.estimate(Layout(dp=dp, micro_batch=micro, recompute=policy, schedule=schedule, **degrees))
-            if theirs.fits:
-                break
+        planner = Planner(Problem(model_config(name), load_profile(hw_name), world, 4096, global_batch))
+        theirs = published_estimate(planner, world, degrees, micro, recompute)
         best = planner.search().best
         seconds = time.perf_counter() - start  # meta model build + search
         print(f"| {name} | {world} x {hw_name} | {theirs.layout.short()} | {theirs.memory.total / GIB:.1f}"

@@ -2,9 +2,13 @@
 
 import importlib.util
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from speedllm.config.schema import ROOT, HardwareConfig
+
+# hardware.dtype (and convert.dtype) names
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def npu_available() -> bool:
@@ -13,15 +17,11 @@ def npu_available() -> bool:
         return False
     import torch_npu  # noqa: F401
 
-    import torch
-
     return torch.npu.is_available()
 
 
 def detect() -> str:
     """The profile `hardware=auto` stands for: npu if torch_npu sees a device, else cuda (h100/h200 by name), else cpu."""
-    import torch
-
     if npu_available():
         return "npu_a3" if "910C" in torch.npu.get_device_name(0) else "npu_a2"
     if torch.cuda.is_available():

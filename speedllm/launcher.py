@@ -142,10 +142,7 @@ def _run_under_torchrun(cfg: DictConfig) -> None:
     OmegaConf.resolve(cfg)
     if rt.is_main:
         write_frozen(cfg, Path(cfg.run_dir))
-    try:
-        run_task(cfg, rt)
-    finally:
-        dist.destroy_process_group()
+    run_rank(cfg, rt)
 
 
 def freeze_and_run(cfg: DictConfig) -> None:
@@ -179,27 +176,29 @@ def launch(cfg: DictConfig) -> int:
     return 0
 
 
-def worker_main(frozen: str) -> None:
-    """One rank of a spawned job: read the frozen config and run the task (never re-runs Hydra)."""
-    register_configs()
-    cfg = OmegaConf.load(frozen)
-    rt = init_runtime(cfg)
+def run_rank(cfg: DictConfig, rt: Runtime) -> None:
+    """Run the task as one rank of a job, tear the process groups down together, and exit the process."""
     status = 0
     try:
         run_task(cfg, rt)
-        if dist.is_initialized():
-            dist.barrier()  # no rank tears its process groups down while a peer may still talk to it
+        dist.barrier()  # no rank tears its process groups down while a peer may still talk to it
     except UserError as e:
         print(f"error: [rank {rt.rank}] {e}", file=sys.stderr)
         status = 2
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        dist.destroy_process_group()
     # Skip the interpreter's teardown: gloo's C++ worker threads can abort it ("terminate called without an
     # active exception") after the job is done. Everything the task wrote is closed by now.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def worker_main(frozen: str) -> None:
+    """One rank of a spawned job: read the frozen config and run the task (never re-runs Hydra)."""
+    register_configs()
+    cfg = OmegaConf.load(frozen)
+    run_rank(cfg, init_runtime(cfg))
 
 
 if __name__ == "__main__":

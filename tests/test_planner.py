@@ -11,26 +11,15 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from speedllm.config import register_configs
-from speedllm.config.schema import ROOT, HardwareConfig, ModelConfig
+from speedllm.config.schema import ROOT, ModelConfig
 from speedllm.config.validate import validate
+from speedllm.hardware import load_profile
 from speedllm.planner import choose_layout
 from speedllm.planner.layout import Layout, layout_from_config, stage_layers
 from speedllm.planner.measure import measure_training_step
 from speedllm.planner.memory import rank_params
+from speedllm.planner.mindspeed import PUBLISHED, published_estimate, published_layout
 from speedllm.planner.search import Planner, Problem, problem_from_config
-
-# MindSpeed-LLM's published Qwen3 pretraining setups (shared/reference/qwen3.md): model, NPUs, degrees,
-# micro / global batch, and the recompute they state (None: not stated). Sequence length 4096.
-MINDSPEED = [
-    ("qwen3_0.6b", 8, dict(tp=1, pp=1), 1, 32, None),
-    ("qwen3_1.7b", 8, dict(tp=1, pp=1), 1, 32, None),
-    ("qwen3_4b", 8, dict(tp=1, pp=1), 1, 64, None),
-    ("qwen3_8b", 8, dict(tp=1, pp=2), 1, 64, None),
-    ("qwen3_14b", 8, dict(tp=8, pp=1), 4, 128, None),
-    ("qwen3_32b", 16, dict(tp=8, pp=2, vpp=8), 2, 256, None),
-    ("qwen3_30b_a3b", 16, dict(tp=1, pp=2, ep=8), 1, 256, "full"),
-    ("qwen3_235b_a22b", 256, dict(tp=1, pp=4, vpp=8, ep=32), 1, 1024, "full"),  # "block recompute"
-]
 
 
 def composed(*overrides):
@@ -44,21 +33,6 @@ def model_config(name):
                            {"tokenizer": "unused"})
 
 
-def hardware(name):
-    return OmegaConf.merge(OmegaConf.structured(HardwareConfig), OmegaConf.load(ROOT / "conf" / "hardware" / f"{name}.yaml"))
-
-
-def mindspeed_estimate(planner, world, degrees, micro, recompute):
-    """MindSpeed's layout costed by the planner, with its stated recompute or else the least that fits."""
-    dp = world // (degrees.get("tp", 1) * degrees.get("pp", 1))
-    schedule = "Interleaved1F1B" if degrees.get("vpp", 1) > 1 else "1F1B"
-    for policy in [recompute] if recompute else ["none", "selective", "full"]:
-        est = planner.estimate(Layout(dp=dp, micro_batch=micro, recompute=policy, schedule=schedule, **degrees))
-        if est.fits:
-            break
-    return est
-
-
 @pytest.mark.parametrize("name", ["qwen3_tiny", "qwen3_moe_tiny", "qwen3_8b"])
 def test_single_rank_parameter_count_is_the_models(name):
     from speedllm.models.qwen3 import Qwen3, num_params
@@ -66,7 +40,7 @@ def test_single_rank_parameter_count_is_the_models(name):
     cfg = model_config(name)
     with torch.device("meta"):
         expected = num_params(Qwen3(cfg))
-    planner = Planner(Problem(cfg, hardware("cpu"), 1, 128, 1))
+    planner = Planner(Problem(cfg, load_profile("cpu"), 1, 128, 1))
     layout = Layout()
     assert rank_params(planner.mt, layout, planner.split(layout), 0).sharded == expected
 
@@ -97,13 +71,12 @@ def test_predicted_peak_within_15_percent_of_measured_single_process(overrides, 
     assert 0.85 <= memory.total / measured["peak"] <= 1.15, (memory, measured)
 
 
-@pytest.mark.parametrize("name,world,degrees,micro,global_batch,recompute", MINDSPEED)
-def test_mindspeed_layouts_fit_and_ours_is_at_least_as_fast(name, world, degrees, micro, global_batch, recompute):
-    hw = hardware("npu_a3" if name == "qwen3_8b" and world == 16 else "npu_a2")
-    planner = Planner(Problem(model_config(name), hw, world, 4096, global_batch))
-    dp = world // (degrees.get("tp", 1) * degrees.get("pp", 1))
-    theirs = mindspeed_estimate(planner, world, degrees, micro, recompute)
-    assert planner.invalid_reason(Layout(dp=dp, micro_batch=micro, **degrees)) in (
+@pytest.mark.parametrize("name,world,hw_name,degrees,micro,global_batch,recompute", PUBLISHED)
+def test_mindspeed_layouts_fit_and_ours_is_at_least_as_fast(name, world, hw_name, degrees, micro, global_batch,
+                                                            recompute):
+    planner = Planner(Problem(model_config(name), load_profile(hw_name), world, 4096, global_batch))
+    theirs = published_estimate(planner, world, degrees, micro, recompute)
+    assert planner.invalid_reason(published_layout(world, degrees, micro)) in (
         None, "MoE models run with tp=1 and pp=1 (experts use ep)")
     assert theirs.fits, theirs.reason
     start = time.perf_counter()

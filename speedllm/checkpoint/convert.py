@@ -20,9 +20,10 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
 
 from speedllm.checkpoint.dcp import LATEST, _quiet_dcp, resolve_load, step_dir_name
-from speedllm.checkpoint.hf import (DTYPES, check_hf_files, copy_tokenizer, has_tokenizer, hf_model_fields,
-                                    read_hf_config, weight_files, write_hf_dir)
+from speedllm.checkpoint.hf import (check_hf_files, copy_tokenizer, has_tokenizer, hf_model_fields, read_hf_config,
+                                    weight_files, write_hf_dir)
 from speedllm.errors import UserError
+from speedllm.hardware import DTYPES
 from speedllm.models.hf_adapter import from_hf_state_dict
 
 HF_SUBDIR = "hf"

@@ -10,9 +10,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
 from speedllm.errors import UserError
+from speedllm.hardware import DTYPES
 from speedllm.runtime import Runtime
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def check_layout(cfg: DictConfig) -> None:

@@ -26,6 +26,7 @@ from torch import nn
 from speedllm.checkpoint.dcp import load_checkpoint, resolve_load, save_checkpoint
 from speedllm.checkpoint.hf import load_hf_weights
 from speedllm.errors import UserError
+from speedllm.hardware import DTYPES
 from speedllm.parallel import clip_grad_norm
 from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.faults import BadSteps, Preemption
@@ -35,7 +36,6 @@ from speedllm.train.samples import print_samples
 from speedllm.train.schedule import build_scheduler
 
 IGNORE = -100
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def dp_coords(rt: Runtime) -> tuple:
