@@ -116,6 +116,27 @@ def test_chunked_loss_equals_full_logits(chunk_size):
         assert abs(loss - full(hidden, weight)) <= 1e-4
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunked_loss_is_right_whatever_the_reused_buffer_held_before(device):
+    """The CPU logits buffer is shared by every call: calls of other shapes and dtypes in between change nothing.
+    (On a GPU this checks the in-place log-softmax against torch's out-of-place one.)"""
+    labels = torch.randint(0, 50, (23,), device=device)
+    labels[[2, 7, 8]] = -100
+    for vocab, dtype, chunk_size in [(50, torch.float32, 64), (4096, torch.float32, 5), (50, torch.bfloat16, 7),
+                                     (50, torch.float32, 3)]:
+        hidden = rand(23, 16, device=device).to(dtype).requires_grad_()
+        weight = rand(vocab, 16, device=device).to(dtype).requires_grad_()
+        loss = chunked_cross_entropy(hidden, weight, labels, chunk_size, reference.cross_entropy)
+        loss.backward()
+        h, w = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+        expected = F.cross_entropy((h @ w.t()).to(dtype).float(), labels, ignore_index=-100, reduction="sum")
+        expected.backward()
+        tol = 1e-4 if dtype == torch.float32 else 0.1
+        assert abs(loss.item() - expected.item()) <= tol * max(1.0, abs(expected.item()))
+        torch.testing.assert_close(hidden.grad.float(), h.grad, atol=tol, rtol=tol)
+        torch.testing.assert_close(weight.grad.float(), w.grad, atol=tol, rtol=tol)
+
+
 def test_chunked_loss_keeps_no_full_logits():
     """What the loss keeps for backward is the gradients of hidden and weight, not N x V logits."""
     hidden, weight = rand(512, 8).requires_grad_(), rand(4096, 8).requires_grad_()

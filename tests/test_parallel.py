@@ -34,6 +34,7 @@ LAYOUTS = {  # name: (model, parallel overrides)
     "tp2": (DENSE, ["parallel=tp2"]),
     "pp2": (DENSE, ["parallel=pp2"]),  # 1F1B
     "pp2_vpp2": (DENSE, ["parallel=pp2_vpp2"]),  # Interleaved1F1B, 2 virtual stages per rank
+    "pp2_zbv": (DENSE, ["parallel=pp2_vpp2", "parallel.pp_schedule=ZBVZeroBubble"]),  # split dI / dW backward
     "fsdp2_tp2": (DENSE, ["parallel=fsdp2_tp2"]),
     "tp2_pp2": (DENSE, ["parallel=tp2_pp2"]),
     "cp2": (DENSE, ["parallel=cp2"]),

@@ -10,43 +10,71 @@ and nothing is recomputed.
 
 import torch
 
+_WORKSPACE = {}  # device -> reused fp32 buffer for one chunk's logits (CPU only, see _logits_buffer)
+
+
+def _logits_buffer(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """An uninitialized fp32 [rows, cols] buffer for one chunk's logits.
+
+    On CPU the buffer is kept and reused from call to call: a fresh 0.6 GB tensor (1024 tokens x 151,936) is
+    a fresh mmap whose first touch page-faults, which costs more than the softmax over it (~0.15 s per step
+    on the 2-core box). GPU/NPU caching allocators already reuse the memory, so there a plain empty() is used.
+    """
+    if device.type != "cpu":
+        return torch.empty(rows, cols, dtype=torch.float32, device=device)
+    buffer = _WORKSPACE.get(device)
+    if buffer is None or buffer.numel() < rows * cols:
+        _WORKSPACE[device] = buffer = torch.empty(rows * cols, dtype=torch.float32, device=device)
+    return buffer[: rows * cols].view(rows, cols)
+
 
 def _loss_and_grad_(logits_NV: torch.Tensor, labels_N: torch.Tensor):
-    """Summed cross-entropy of fp32 logits and d(sum)/d(logits), computed in the logits' own storage."""
+    """Summed cross-entropy of fp32 logits and d(sum)/d(logits), computed in the logits' own storage.
+
+    The loss is log-softmax + NLL, as torch's cross_entropy computes it. torch's CPU and CUDA log-softmax
+    kernels read each element before writing the same element, so they run in place (one pass instead of
+    max / subtract / exp / sum / divide); exp_ then turns the log-probabilities into the softmax. Other
+    devices (torch_npu) make no such promise and get a copy.
+    """
     keep = (labels_N != -100).unsqueeze(1)
     targets = labels_N.clamp(min=0).unsqueeze(1)
-    picked = logits_NV.gather(1, targets)
-    row_max = logits_NV.amax(dim=1, keepdim=True)
-    probs = logits_NV.sub_(row_max).exp_()
-    row_sum = probs.sum(dim=1, keepdim=True)
-    probs.div_(row_sum)
-    loss = ((row_sum.log() + row_max - picked) * keep).sum()
-    probs.scatter_add_(1, targets, torch.full_like(picked, -1.0))
+    if logits_NV.device.type in ("cpu", "cuda"):
+        logprobs = torch.log_softmax(logits_NV, dim=1, out=logits_NV)
+    else:
+        logprobs = logits_NV.copy_(torch.log_softmax(logits_NV, dim=1))
+    loss = -(logprobs.gather(1, targets) * keep).sum()
+    probs = logprobs.exp_()
+    probs.scatter_add_(1, targets, torch.full(targets.shape, -1.0, device=probs.device))
     return loss, probs.mul_(keep)
-
-
-def _local_chunk(h_ND, weight_VD, labels_N):
-    return _loss_and_grad_((h_ND @ weight_VD.t()).float(), labels_N)
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Output projection + cross-entropy, chunk by chunk: each chunk's logits turn into their gradient in place
     right away, and only the gradients with respect to the hidden states and the weight are kept for backward.
 
-    `chunk_fn(h_ND, weight_VD, labels_N) -> (loss sum, grad of the logits)` does one chunk; tensor parallelism
-    passes a vocabulary-parallel one (speedllm.parallel.tensor).
+    `chunk_fn(logits_NV, labels_N) -> (loss sum, grad of the logits)` turns one chunk's fp32 logits into their
+    gradient in place; tensor parallelism passes a vocabulary-parallel one (speedllm.parallel.tensor).
     """
 
     @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, labels_N, chunk_size, chunk_fn=_local_chunk):
+    def forward(ctx, hidden_ND, weight_VD, labels_N, chunk_size, chunk_fn=_loss_and_grad_):
         grad_hidden = torch.empty_like(hidden_ND)
-        grad_weight = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device)
+        grad_weight = None
         total = torch.zeros((), dtype=torch.float32, device=hidden_ND.device)
+        buffer = _logits_buffer(min(chunk_size, hidden_ND.shape[0]), weight_VD.shape[0], hidden_ND.device)
         for start in range(0, hidden_ND.shape[0], chunk_size):
             h = hidden_ND[start : start + chunk_size]
-            loss, grad_logits = chunk_fn(h, weight_VD, labels_N[start : start + chunk_size])
+            logits = buffer[: h.shape[0]]
+            if weight_VD.dtype == torch.float32:
+                torch.mm(h, weight_VD.t(), out=logits)
+            else:
+                logits.copy_(h @ weight_VD.t())
+            loss, grad_logits = chunk_fn(logits, labels_N[start : start + chunk_size])
             grad_hidden[start : start + chunk_size] = grad_logits.to(weight_VD.dtype) @ weight_VD
-            grad_weight.addmm_(grad_logits.t(), h.float())
+            if grad_weight is None:
+                grad_weight = grad_logits.t() @ h.float()
+            else:
+                grad_weight.addmm_(grad_logits.t(), h.float())
             total += loss
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight_VD.dtype))
         return total
@@ -54,6 +82,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         grad_hidden, grad_weight = ctx.saved_tensors
+        # Not in place: zero-bubble pipeline schedules run this backward twice (input, then weight gradients).
         return grad_hidden * grad_total, grad_weight * grad_total, None, None, None
 
 

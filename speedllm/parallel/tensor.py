@@ -72,9 +72,9 @@ def layer_plan(sequence_parallel: bool) -> dict:
     return plan
 
 
-def _vocab_parallel_chunk(h_ND, weight_VtD, labels_N, vocab_start, group):
-    """Summed cross-entropy of one chunk and d(sum)/d(local logits), in fp32, reducing over `group`."""
-    logits = (h_ND @ weight_VtD.t()).float()
+def _vocab_parallel_chunk(logits, labels_N, vocab_start, group):
+    """Summed cross-entropy of one chunk's local fp32 logits and d(sum)/d(local logits), computed in the
+    logits' storage, reducing over `group`."""
     local_labels = labels_N - vocab_start
     mine = (local_labels >= 0) & (local_labels < logits.shape[1])
     local_labels = local_labels.clamp(0, logits.shape[1] - 1)[:, None]

@@ -224,17 +224,18 @@ class Memory:
     # activations alive once gradients exist (a pipeline rank has run one backward by then)
     activations_with_grads: float = 0.0
     buffers: float = 0.0  # FSDP2 all-gathered weights, autocast weight copies, pipeline send/receive
+    kept: float = 0.0  # alive through both phases: the chunked loss's logits buffer on CPU
     update_temporaries: float = 0.0
     pp_rank: int = 0
 
     @property
     def forward_backward(self) -> float:
         live = max(self.activations, self.grad_accum + self.activations_with_grads)
-        return self.params + self.optimizer + self.buffers + live
+        return self.params + self.optimizer + self.buffers + self.kept + live
 
     @property
     def update(self) -> float:
-        return self.params + self.grads + self.optimizer + self.update_temporaries
+        return self.params + self.grads + self.optimizer + self.update_temporaries + self.kept
 
     @property
     def total(self) -> float:
@@ -325,11 +326,13 @@ def loss_bytes(m, layout: Layout, seq_len: int, dtype_bytes: int, chunk: int, vo
 
 
 def rank_memory(m, layout: Layout, sp: StageParams, pp_rank: int, seq_len: int,
-                global_batch: int, dtype: str, loss_chunk: int, tp_dims, ops: str = "reference") -> Memory:
+                global_batch: int, dtype: str, loss_chunk: int, tp_dims, ops: str = "reference",
+                device: str = "cuda") -> Memory:
     """Peak bytes of pipeline rank `pp_rank` in a training step.
 
     Args:
         tp_dims: whether the TP plan splits (the MLP width, the experts' width, the vocabulary), see tp_facts.
+        device: the profile's device type; on cpu the loss keeps its logits buffer through the step (`kept`).
     """
     e = DTYPE_BYTES[dtype]
     num_micro = global_batch // (layout.micro_batch * layout.dp)
@@ -372,8 +375,13 @@ def rank_memory(m, layout: Layout, sp: StageParams, pp_rank: int, seq_len: int,
         saved, transient = loss_bytes(m, layout, seq_len, e, loss_chunk, layout.tp if tp_dims[2] else 1)
         # the loss stage runs each micro-batch's backward right after its forward, except under GPipe
         head = saved * (num_micro if layout.pp > 1 and layout.schedule == "GPipe" else 1)
+        vocab = m.vocab_size / (layout.tp if tp_dims[2] else 1)
         if working:  # the output projection's gradient is made at the start of backward and kept to the end
-            working += m.vocab_size / (layout.tp if tp_dims[2] else 1) * m.hidden_size * MASTER_BYTES
+            working += vocab * m.hidden_size * MASTER_BYTES
+        if device == "cpu":
+            # there the chunk's fp32 logits buffer is kept from step to step (ops.loss), so it is also alive in
+            # backward, beside the vocabulary-sized gradient temporaries that `transient` stands for then
+            mem.kept = min(loss_chunk, layout.micro_batch * seq_len / layout.cp) * vocab * 4
     mem.activations = flight * per_stage_act + head + max(working, transient)
     # a pipeline rank's gradients appear with its first backward, which frees one micro-batch's activations
     flight_with_grads = max(flight - 1, 1) if layout.pp > 1 else flight

@@ -95,8 +95,8 @@ class Planner:
         """Memory of every pipeline rank (the first rank of each of its other axes) under `layout`."""
         p = self.p
         stages = self.rank_params(layout, self.split(layout, explicit_split))
-        return [rank_memory(p.model, layout, sp, r, p.seq_len, p.global_batch, p.hardware.dtype,
-                            p.loss_chunk, self.tp_facts, p.hardware.ops) for r, sp in enumerate(stages)]
+        return [rank_memory(p.model, layout, sp, r, p.seq_len, p.global_batch, p.hardware.dtype, p.loss_chunk,
+                            self.tp_facts, p.hardware.ops, p.hardware.device) for r, sp in enumerate(stages)]
 
     def estimate(self, layout: Layout, explicit_split=None) -> Estimate:
         """Memory of the busiest rank and step time of `layout` (assumed structurally valid)."""

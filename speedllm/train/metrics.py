@@ -50,9 +50,17 @@ def mfu(tokens_per_s: float, flops_per_tok: float, peak_tflops: float, world_siz
 
 
 def peak_memory_gb(device: torch.device) -> float:
-    """Peak memory of this process: allocator peak on GPU/NPU, peak resident set size on CPU."""
+    """Peak memory of this process: allocator peak on GPU/NPU, peak resident set size on CPU.
+
+    On Linux the RSS peak is /proc's VmHWM, which starts afresh at exec; ru_maxrss would carry over the
+    parent's resident size at fork, so a small child of a large parent would report the parent's size.
+    """
     if device.type == "cpu":
-        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
+        try:
+            with open("/proc/self/status") as status:
+                kb = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+        except (OSError, StopIteration):
+            kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
         return kb / 2**20
     return getattr(torch, device.type).max_memory_allocated(device) / 2**30
 
