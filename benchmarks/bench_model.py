@@ -19,6 +19,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
@@ -28,18 +29,20 @@ from speedllm.models import Qwen3
 from speedllm.models.hf_adapter import from_hf_state_dict, hf_config
 from speedllm.train.metrics import flops_per_token, peak_memory_gb
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_train import DIMS  # noqa: E402  qwen3_tiny's layers
+
 BATCH, SEQ = 4, 256
 CONFIGS = {
-    "qwen3_vocab": dict(vocab_size=151936, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2),
+    "qwen3_vocab": dict(vocab_size=151936, **DIMS),
     "vocab_32k": dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                      num_attention_heads=8, num_key_value_heads=4),
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=64),
 }
 
 
 def model_cfg(name: str):
     return OmegaConf.merge(OmegaConf.structured(ModelConfig),
-                           dict(name=name, head_dim=64, tie_word_embeddings=True, max_position_embeddings=4096,
+                           dict(name=name, tie_word_embeddings=True, max_position_embeddings=4096,
                                 **CONFIGS[name]))
 
 

@@ -19,22 +19,24 @@ import time
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
-DIMS = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=64)
+# qwen3_tiny's layers, read from its config so this benchmark follows it
+_TINY = OmegaConf.load(ROOT / "conf/model/qwen3_tiny.yaml")
+DIMS = {k: _TINY[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                              "num_key_value_heads", "head_dim")}
 
 
 def ours(args) -> dict:
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
 
     from speedllm.config import register_configs
     from speedllm.runtime import Runtime
     from speedllm.train.loop import run
 
     run_dir = tempfile.mkdtemp(prefix="bench_train_")
-    overrides = [f"model.{k}={v}" for k, v in DIMS.items()] + [
+    overrides = [
         "model=qwen3_tiny", f"model.vocab_size={args.vocab}", "model.tie_word_embeddings=true",
         "model.tokenizer=${asset:tokenizers/qwen3}", "hardware=cpu", f"train.steps={args.warmup + args.steps}",
         f"train.seq_len={args.seq_len}", f"train.micro_batch_size={args.batch}", f"train.global_batch_size={args.batch}",
