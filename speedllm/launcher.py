@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from speedllm.config.schema import register_configs
 from speedllm.config.validate import IN_PROCESS_TASKS, validate
+from speedllm.console import console_log, discard_run_dir, guarded
 from speedllm.errors import UserError
 from speedllm.hardware import detect, load_profile
 from speedllm.runtime import Runtime, init_runtime
@@ -33,6 +34,7 @@ TASKS = {
     "doctor": "speedllm.doctor:run",
 }
 FROZEN_NAME = "config.yaml"
+KEEPS_NOTHING = ("plan", "doctor")  # tasks whose run directory is removed when they succeed
 
 
 def under_torchrun() -> bool:
@@ -156,6 +158,8 @@ def freeze_and_run(cfg: DictConfig) -> None:
         return _run_under_torchrun(cfg)
     OmegaConf.resolve(cfg)
     frozen = write_frozen(cfg, Path(cfg.run_dir))
+    if cfg.task.name not in KEEPS_NOTHING:
+        print(f"run dir: {cfg.run_dir}")
     if world == 1 or cfg.task.name in IN_PROCESS_TASKS:
         # planning targets devices this machine may lack: it gets a plain CPU runtime
         run_task(cfg, Runtime() if cfg.task.name == "plan" else init_runtime(cfg, distributed=False))
@@ -164,29 +168,30 @@ def freeze_and_run(cfg: DictConfig) -> None:
 
 
 def launch(cfg: DictConfig) -> int:
-    """Entry from launch.py; returns the exit status (user errors: one line, status 2)."""
+    """Entry from launch.py; returns the exit status. Every failure is one line (user errors: status 2); a run
+    that kept nothing (plan, doctor, a refused config) leaves no run directory."""
     with open_dict(cfg):
-        try:
-            freeze_and_run(cfg)
-        except UserError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        except SystemExit as e:
-            return e.code if isinstance(e.code, int) else 1
-    return 0
+        run_dir = Path(str(cfg.run_dir)).absolute()
+        with console_log(run_dir) as log:
+            status = guarded(lambda: freeze_and_run(cfg), log, run_dir)
+    if status == 2 or (status == 0 and cfg.task.name in KEEPS_NOTHING):
+        discard_run_dir(run_dir)
+    return status
 
 
 def run_rank(cfg: DictConfig, rt: Runtime) -> None:
     """Run the task as one rank of a job, tear the process groups down together, and exit the process."""
-    status = 0
-    try:
+
+    def task() -> None:
         run_task(cfg, rt)
         dist.barrier()  # no rank tears its process groups down while a peer may still talk to it
-    except UserError as e:
-        print(f"error: [rank {rt.rank}] {e}", file=sys.stderr)
-        status = 2
-    finally:
-        dist.destroy_process_group()
+
+    run_dir = Path(cfg.run_dir)
+    with console_log(run_dir) as log:
+        try:
+            status = guarded(task, log, run_dir, prefix=f"[rank {rt.rank}] ")
+        finally:
+            dist.destroy_process_group()
     # Skip the interpreter's teardown: gloo's C++ worker threads can abort it ("terminate called without an
     # active exception") after the job is done. Everything the task wrote is closed by now.
     sys.stdout.flush()
