@@ -15,7 +15,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from speedllm.config.schema import register_configs
-from speedllm.config.validate import IN_PROCESS_TASKS, validate
+from speedllm.config.validate import IN_PROCESS_TASKS, validate, validate_values
 from speedllm.console import console_log, discard_run_dir, guarded
 from speedllm.errors import UserError
 from speedllm.hardware import detect, load_profile
@@ -149,6 +149,7 @@ def _run_under_torchrun(cfg: DictConfig) -> None:
 
 def freeze_and_run(cfg: DictConfig) -> None:
     resolve_hardware(cfg)
+    validate_values(cfg)
     if cfg.task.name != "plan":
         resolve_nodes(cfg)
     world, nproc = resolve_layout(cfg)

@@ -25,6 +25,7 @@ from speedllm.checkpoint.hf import (check_hf_files, copy_tokenizer, has_tokenize
 from speedllm.errors import UserError
 from speedllm.hardware import DTYPES
 from speedllm.models.hf_adapter import from_hf_state_dict
+from speedllm.outputs import make_scratch_dir, write_text_atomic
 
 HF_SUBDIR = "hf"
 
@@ -67,9 +68,7 @@ def hf_to_dcp(path: str, out: str, cfg: DictConfig) -> Path:
     if dtype is not None:
         state = {name: tensor.to(dtype) for name, tensor in state.items()}
 
-    tmp = out_root / f".{final.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = make_scratch_dir(out_root / f".{final.name}.tmp", "convert.out")
     with _quiet_dcp():
         dcp.save({"model": state}, checkpoint_id=str(tmp), no_dist=True)
     (tmp / HF_SUBDIR).mkdir()
@@ -82,7 +81,7 @@ def hf_to_dcp(path: str, out: str, cfg: DictConfig) -> Path:
     saved["data"]["tokenizer"] = tokenizer
     OmegaConf.save(OmegaConf.create(saved), tmp / "config.yaml")
     os.replace(tmp, final)
-    (out_root / LATEST).write_text(final.name + "\n")
+    write_text_atomic(out_root / LATEST, final.name + "\n")
     return final
 
 

@@ -16,7 +16,6 @@ complete checkpoint, because it is replaced (atomically) only after the rename.
 import contextlib
 import os
 import pickle
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -32,9 +31,9 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from speedllm.errors import UserError
+from speedllm.outputs import MARKER, make_scratch_dir, remove_ours, write_text_atomic
 
 LATEST = "latest"
-OURS = ".speedllm"  # marks a directory this program created, so only such directories are ever deleted
 
 # What a DCP `.metadata` pickle may name: DCP's own metadata classes and the few torch/pathlib values inside them.
 _METADATA_GLOBALS = {
@@ -151,7 +150,11 @@ def latest_checkpoint(root: str) -> Optional[Path]:
     pointer = Path(root) / LATEST
     if not pointer.is_file():
         return None
-    return Path(root) / pointer.read_text().strip()
+    path = Path(root) / pointer.read_text().strip()
+    if not (path / ".metadata").is_file():
+        raise UserError(f"{pointer} names {path.name}, which is missing or incomplete; write the name of a complete "
+                        "step_* directory into it, or point checkpoint.load at one")
+    return path
 
 
 def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -167,9 +170,10 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: torch.opt
     tmp = root_path / f".{final.name}.tmp"
     rank = _rank()
     if rank == 0:
-        root_path.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a process killed mid-write
-        tmp.mkdir()
+        if final.exists() and not (final / MARKER).is_file():
+            raise UserError(f"{final} exists and was not written by SpeedLLM; move it away or choose another "
+                            "checkpoint.dir")
+        make_scratch_dir(tmp, "checkpoint.dir")  # replaces one left by a process killed mid-write
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     with _quiet_dcp():
@@ -179,14 +183,12 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: torch.opt
         OmegaConf.save(cfg, tmp / "config.yaml", resolve=True)
     _barrier()
     if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)  # a re-run of the same step replaces its old copy
+        remove_ours(final)  # a re-run of the same step replaces its old copy
         os.replace(tmp, final)
-        pointer_tmp = root_path / f".{LATEST}.tmp"
-        pointer_tmp.write_text(final.name + "\n")
-        os.replace(pointer_tmp, root_path / LATEST)
+        write_text_atomic(root_path / LATEST, final.name + "\n")
         if keep > 0:
             for old in finished_checkpoints(root_path)[:-keep]:
-                shutil.rmtree(old)
+                remove_ours(old)  # a step_* directory we did not write is never deleted
     _barrier()
     return final
 

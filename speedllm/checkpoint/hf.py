@@ -26,6 +26,7 @@ from torch import nn
 
 from speedllm.errors import UserError
 from speedllm.models.hf_adapter import hf_config, model_config_from_hf, to_hf_state_dict
+from speedllm.outputs import MARKER, make_scratch_dir
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -294,9 +295,7 @@ def write_hf_dir(out: str, model_cfg, tensors: Dict[str, Tuple[tuple, torch.dtyp
     out_path = Path(out)
     if out_path.exists() and any(out_path.iterdir()):
         raise UserError(f"convert.out={out} exists and is not empty; choose a new directory or remove it")
-    tmp = out_path.parent / f".{out_path.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = make_scratch_dir(out_path.parent / f".{out_path.name}.tmp", "convert.out")
     if model_cfg.tie_word_embeddings:
         tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
     tensors = {k: (shape, dtype or t_dtype) for k, (shape, t_dtype) in tensors.items()}
@@ -322,6 +321,7 @@ def write_hf_dir(out: str, model_cfg, tensors: Dict[str, Tuple[tuple, torch.dtyp
     copy_tokenizer(source if source_path and has_tokenizer(source) else tokenizer, tmp)
     if out_path.exists():
         out_path.rmdir()  # empty (checked above)
+    (tmp / MARKER).unlink()  # the finished directory is the user's
     os.replace(tmp, out_path)
     return out_path
 

@@ -4,6 +4,7 @@ Each rule raises UserError with ONE line naming the key(s), their values and a f
 rejected unknown keys and wrong types; what is left are rules that span several keys or touch the machine.
 """
 
+import math
 import os
 from glob import glob
 
@@ -24,11 +25,61 @@ CHOICES = {
     "data.overlong": ("truncate", "drop"),
     "data.on_error": ("fail", "skip"),
     "convert.to": ("hf", "dcp"),
+    "launcher.rdzv_backend": ("c10d", "static", "etcd", "etcd-v2"),
     "task.name": ("pretrain", "sft", "generate", "chat", "evaluate", "preprocess", "convert", "plan", "doctor"),
 }
 INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 # Tasks that plan for or convert between machines: they run in one process and need no devices.
 IN_PROCESS_TASKS = ("preprocess", "convert", "plan")
+TRAINING_TASKS = ("pretrain", "sft", "evaluate")  # tasks that cut data into train.seq_len sequences
+
+
+def _at_least(low):
+    return (lambda v: v >= low), f">= {low}"
+
+
+def _above(low):
+    return (lambda v: v > low), f"> {low}"
+
+
+def _fraction(v) -> bool:
+    return 0 <= v <= 1
+
+
+# key -> (test, what it must be): values a library would reject later, or that would silently do nothing.
+VALUE_RULES = {
+    **{f"model.{k}": _at_least(1) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                            "num_attention_heads", "num_key_value_heads", "head_dim",
+                                            "max_position_embeddings")},
+    "model.rope_theta": _above(0),
+    "model.rms_norm_eps": _above(0),
+    "model.num_experts": _at_least(0),
+    **{f"train.{k}": _at_least(1) for k in ("steps", "seq_len", "micro_batch_size", "global_batch_size", "log_every",
+                                            "eval_steps", "max_bad_steps", "loss_chunk_size")},
+    **{f"train.{k}": _at_least(0) for k in ("eval_every", "grad_clip", "stop_after")},
+    "optim.lr": _above(0),
+    "optim.min_lr": _at_least(0),
+    "optim.weight_decay": _at_least(0),
+    "optim.eps": _at_least(0),
+    "optim.warmup_steps": _at_least(0),
+    "optim.decay_fraction": (_fraction, "in [0, 1]"),
+    "optim.betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two values in [0, 1), like [0.9,0.95]"),
+    "checkpoint.every": _at_least(0),
+    "launcher.nnodes": _at_least(1),
+    "launcher.nproc_per_node": _at_least(0),
+    "launcher.node_rank": _at_least(0),
+    "launcher.max_restarts": _at_least(0),
+    "launcher.monitor_interval": _above(0),
+    "launcher.rdzv_timeout": _above(0),
+    "data.workers": _at_least(1),
+    "data.loader_workers": _at_least(0),
+    "evaluate.steps": _at_least(1),
+    "hardware.memory_gb": _above(0),
+    "plan.top": _at_least(1),
+    "plan.show_rejected": _at_least(0),
+    "plan.compute_efficiency": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "plan.memory_margin": (lambda v: 0 <= v < 1, "in [0, 1)"),
+}
 
 
 def _get(cfg: DictConfig, dotted: str):
@@ -47,6 +98,59 @@ def check_choices(cfg: DictConfig) -> None:
         value = _get(cfg, key)
         if value not in allowed:
             raise UserError(f"{key}={value} is not one of {', '.join(allowed)}; pick one of them")
+
+
+def check_values(cfg: DictConfig) -> None:
+    """Each value on its own: in range, finite; then the few rules between two keys of one group."""
+    for key, (ok, must_be) in VALUE_RULES.items():
+        value = _get(cfg, key)
+        numbers = list(value) if key == "optim.betas" else [value]
+        if not all(math.isfinite(v) for v in numbers) or not ok(value):
+            shown = list(value) if key == "optim.betas" else value
+            raise UserError(f"{key}={shown} must be {must_be}; set {key} to such a value")
+    m, o, lc = cfg.model, cfg.optim, cfg.launcher
+    if m.num_attention_heads % m.num_key_value_heads:
+        raise UserError(f"model.num_key_value_heads={m.num_key_value_heads} must divide model.num_attention_heads="
+                        f"{m.num_attention_heads} (grouped-query attention); use one of {_divisors(m.num_attention_heads)}")
+    if m.num_experts > 0 and not (1 <= m.num_experts_per_tok <= m.num_experts and m.moe_intermediate_size >= 1):
+        raise UserError(f"model.num_experts={m.num_experts} needs model.num_experts_per_tok in [1, {m.num_experts}] "
+                        f"and model.moe_intermediate_size >= 1 (now {m.num_experts_per_tok}, {m.moe_intermediate_size})")
+    if o.min_lr > o.lr:
+        raise UserError(f"optim.min_lr={o.min_lr} exceeds optim.lr={o.lr}; lower optim.min_lr")
+    if lc.node_rank >= lc.nnodes:
+        raise UserError(f"launcher.node_rank={lc.node_rank} must be below launcher.nnodes={lc.nnodes} "
+                        f"(nodes count from 0)")
+    if cfg.task.name in TRAINING_TASKS:
+        from speedllm.data.datasets import parse_split
+
+        parse_split(cfg.data.split)
+    if cfg.task.name == "generate":
+        from speedllm.infer.generate import check_settings
+
+        check_settings(cfg.generate)
+
+
+def check_outputs(cfg: DictConfig) -> None:
+    """No output may write over an input: refused before any work."""
+    from speedllm.outputs import check_no_collision
+
+    task, d, ck, gen = cfg.task.name, cfg.data, cfg.checkpoint, cfg.generate
+    inputs = {"data.tokenizer": [d.tokenizer]}
+    inputs.update({key: [value] for key, value in (("checkpoint.load", ck.load), ("checkpoint.load_hf", ck.load_hf))
+                   if value not in (None, "auto")})
+    if task == "preprocess":
+        patterns = [d.input] if isinstance(d.input, str) else list(d.input)
+        inputs["data.input"] = [f for pattern in patterns for f in (glob(str(pattern), recursive=True) or [pattern])]
+        outputs = {"data.output_prefix": [f"{d.output_prefix}{suffix}" for suffix in (".bin", ".idx", ".json")]}
+    elif task == "generate" and gen.output is not None:
+        if gen.prompts_file is not None:
+            inputs["generate.prompts_file"] = [gen.prompts_file]
+        outputs = {"generate.output": [gen.output]}
+    elif task == "convert":
+        outputs = {"convert.out": [cfg.convert.out]}
+    else:
+        return
+    check_no_collision(outputs, inputs)
 
 
 def check_parallel(cfg: DictConfig) -> None:
@@ -87,7 +191,7 @@ def check_batch(cfg: DictConfig) -> None:
     if t.global_batch_size % (t.micro_batch_size * p.dp):
         raise UserError(f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="
                         f"{t.micro_batch_size} x parallel.dp={p.dp}; use a multiple of {t.micro_batch_size * p.dp}")
-    if t.seq_len > m.max_position_embeddings:
+    if cfg.task.name in TRAINING_TASKS and t.seq_len > m.max_position_embeddings:
         raise UserError(f"train.seq_len={t.seq_len} exceeds max_position_embeddings={m.max_position_embeddings} of "
                         f"model {m.name}; lower train.seq_len")
     if p.cp > 1 and t.seq_len % (2 * p.cp):
@@ -194,15 +298,22 @@ def check_hf_model(cfg: DictConfig) -> None:
                         "config.json, or the matching model=")
 
 
-def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
-    """Run every rule; the first failure raises UserError."""
+def validate_values(cfg: DictConfig) -> None:
+    """The rules that need no layout: run before the launcher derives the world size from these values."""
     check_hf_model(cfg)
     check_choices(cfg)
+    check_values(cfg)
+
+
+def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
+    """Run every rule; the first failure raises UserError."""
+    validate_values(cfg)
     check_parallel(cfg)
     check_batch(cfg)
     if cfg.task.name != "plan":
         check_world(cfg, world_size)
         check_paths(cfg)
+        check_outputs(cfg)
         if cfg.task.name not in IN_PROCESS_TASKS:
             check_device(cfg, nproc_per_node)
         if cfg.task.name not in ("doctor", "convert", "preprocess"):  # preprocess uses no model
