@@ -9,7 +9,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from speedllm.errors import UserError
+from speedllm.errors import UserError, one_line
 
 LOG_NAME = "launch.log"
 # Files a run directory holds before the task writes anything: Hydra's record of the job, the log, the frozen config.
@@ -67,19 +67,38 @@ def guarded(fn: Callable[[], None], log, run_dir: Path, prefix: str = "") -> int
     except UserError as e:
         print(f"error: {prefix}{e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        cause = _user_error_inside(e)  # e.g. raised in a config resolver, which OmegaConf wraps
+        if cause is None:
+            return _internal_error(e, log, run_dir, prefix)
+        print(f"error: {prefix}{cause}", file=sys.stderr)
+        return 2
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 1
     except KeyboardInterrupt:
         print(f"error: {prefix}interrupted", file=sys.stderr)
         return 130
     except BaseException as e:  # noqa: BLE001 - the catch-all: DCP's CheckpointException is a BaseException
-        log.write(traceback.format_exc())
-        log.flush()
-        message = " ".join(str(e).split())[:300]
-        print(f"internal error: {prefix}{type(e).__name__}: {message}; full traceback in {run_dir / LOG_NAME}; "
-              "please report it", file=sys.stderr)
-        return 1
+        return _internal_error(e, log, run_dir, prefix)
     return 0
+
+
+def _user_error_inside(e: BaseException):
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, UserError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _internal_error(e: BaseException, log, run_dir: Path, prefix: str) -> int:
+    log.write(traceback.format_exc())
+    log.flush()
+    print(f"internal error: {prefix}{one_line(e, 300)}; full traceback in {run_dir / LOG_NAME}; please report it",
+          file=sys.stderr)
+    return 1
 
 
 def discard_run_dir(run_dir: Path) -> None:

@@ -34,6 +34,21 @@ def check_no_collision(outputs: Dict[str, Iterable[str]], inputs: Dict[str, Iter
                                         f"choose another {out_key} so the input is kept")
 
 
+def check_writable(key: str, path: str, directory: bool = False) -> None:
+    """The output `path` (a file, or a directory when `directory`) can be created where it is asked for."""
+    p = Path(path).expanduser()
+    if p.exists() and p.is_dir() != directory:
+        kind = "a directory" if p.is_dir() else "a file"
+        raise UserError(f"{key}={path} is {kind}; give a {'directory' if directory else 'file'} path instead")
+    parent = p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"{key}={path}: {parent} is a file, not a directory; choose another {key}")
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"{key}={path}: {parent} is not writable; choose another {key}")
+
+
 def make_scratch_dir(path: Path, key: str) -> Path:
     """Create `path` empty and marked as ours; a leftover of ours is replaced, anything else is refused."""
     if path.exists():

@@ -165,3 +165,413 @@ TASK_VALUES = [
 @pytest.mark.parametrize("overrides,names", TASK_VALUES, ids=[" ".join(v[0][-2:]) for v in TASK_VALUES])
 def test_task_setting_is_refused_in_one_line(overrides, names, tmp_path, capsys):
     assert_one_line_failure(*run_inprocess(tmp_path, capsys, *overrides), names)
+
+
+# ------------------------------------------------------------------------------------- files
+# Each builder makes its bad input under tmp (with the shared fixtures) and returns (overrides, names-in-the-line).
+
+def _write(path: Path, data) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    (path.write_bytes if isinstance(data, bytes) else path.write_text)(data)
+    return path
+
+
+def _dataset(tmp, name="d"):
+    """A real .bin/.idx pair of 20 documents, written by our writer."""
+    import numpy as np
+
+    from speedllm.data.indexed import IndexedDatasetWriter
+
+    prefix = str(tmp / name)
+    with IndexedDatasetWriter(prefix, np.uint16) as writer:
+        for i in range(20):
+            writer.add_document(np.arange(50, dtype=np.uint16) + i)
+        writer.finalize()
+    return prefix
+
+
+def _pretrain_on(prefix):
+    return [f"data.path={prefix}", f"data.tokenizer={DEMO_TOKENIZER}", "train.steps=1", *SMALL]
+
+
+def data_truncated_idx(tmp, **_):
+    prefix = _dataset(tmp)
+    idx = Path(prefix + ".idx")
+    idx.write_bytes(idx.read_bytes()[:60])
+    return _pretrain_on(prefix), "d.idx"
+
+
+def data_garbage_idx(tmp, **_):
+    prefix = _dataset(tmp)
+    Path(prefix + ".idx").write_bytes(b"not an index at all" * 10)
+    return _pretrain_on(prefix), "d.idx"
+
+
+def data_empty_idx(tmp, **_):
+    prefix = _dataset(tmp)
+    Path(prefix + ".idx").write_bytes(b"")
+    return _pretrain_on(prefix), "d.idx"
+
+
+def data_short_bin(tmp, **_):
+    prefix = _dataset(tmp)
+    binf = Path(prefix + ".bin")
+    binf.write_bytes(binf.read_bytes()[:100])
+    return _pretrain_on(prefix), "d.bin"
+
+
+def data_missing_bin(tmp, **_):
+    prefix = _dataset(tmp)
+    os.remove(prefix + ".bin")
+    return _pretrain_on(prefix), "data.path"
+
+
+def data_tokens_past_vocab(tmp, **_):
+    import numpy as np
+
+    from speedllm.data.indexed import IndexedDatasetWriter
+
+    prefix = str(tmp / "big")
+    with IndexedDatasetWriter(prefix, np.int32) as writer:
+        for _ in range(20):
+            writer.add_document(np.full(50, 100_000, dtype=np.int32))
+        writer.finalize()
+    return _pretrain_on(prefix), "data.path"
+
+
+def data_blend_odd_list(tmp, **_):
+    prefix = _dataset(tmp)
+    return [f"data.path=[1.0,{prefix},2.0]", f"data.tokenizer={DEMO_TOKENIZER}", *SMALL], "data.path"
+
+
+def _preprocess(inp, prefix=None, *extra):
+    return ["task=preprocess", f"data.input={inp}", f"data.output_prefix={prefix or Path(inp).parent / 'out'}",
+            f"data.tokenizer={DEMO_TOKENIZER}", *extra]
+
+
+def corpus_corrupt_gzip(tmp, **_):
+    return _preprocess(_write(tmp / "c.jsonl.gz", b"\x1f\x8b\x08\x00garbage-not-gzip")), "c.jsonl.gz"
+
+
+def corpus_parquet_mislabelled(tmp, **_):
+    return _preprocess(_write(tmp / "c.parquet", '{"text": "a"}\n')), "c.parquet"
+
+
+def corpus_json_number(tmp, **_):
+    return _preprocess(_write(tmp / "c.json", "42")), "c.json"
+
+
+def corpus_json_strings(tmp, **_):
+    return _preprocess(_write(tmp / "c.json", '["a", "b"]')), "c.json"
+
+
+def corpus_jsonl_array_line(tmp, **_):
+    return _preprocess(_write(tmp / "c.jsonl", '{"text": "a"}\n[1, 2]\n')), "c.jsonl:2"
+
+
+def corpus_jsonl_wrong_key(tmp, **_):
+    return _preprocess(_write(tmp / "c.jsonl", '{"body": "a"}\n')), "c.jsonl:1"
+
+
+def corpus_all_empty(tmp, **_):
+    return _preprocess(_write(tmp / "c.jsonl", '{"text": ""}\n{"text": "  "}\n')), "data.input"
+
+
+def corpus_directory(tmp, **_):
+    (tmp / "dir").mkdir()
+    return _preprocess(tmp / "dir", tmp / "out"), "data.input"
+
+
+def corpus_not_utf8(tmp, **_):
+    return _preprocess(_write(tmp / "c.txt", b"\xff\xfe\x00bad")), "c.txt"
+
+
+def corpus_malformed_json(tmp, **_):
+    return _preprocess(_write(tmp / "c.json", '[{"text": "a"},')), "c.json"
+
+
+def corpus_output_under_a_file(tmp, **_):
+    inp = _write(tmp / "c.jsonl", '{"text": "a"}\n')
+    return _preprocess(inp, _write(tmp / "afile", "x") / "out"), "data.output_prefix"
+
+
+def corpus_text_key_wrong_type(tmp, **_):
+    return _preprocess(_write(tmp / "c.jsonl", '{"text": {"nested": 1}}\n'), None, "data.text_key=[text]"), "c.jsonl:1"
+
+
+def tokenizer_missing(tmp, **_):
+    return [f"data.tokenizer={tmp / 'nope'}"], "data.tokenizer"
+
+
+def tokenizer_empty_dir(tmp, **_):
+    (tmp / "tok").mkdir()
+    return [f"data.tokenizer={tmp / 'tok'}"], "data.tokenizer"
+
+
+def tokenizer_garbage_json(tmp, **_):
+    _write(tmp / "tok" / "tokenizer.json", "{ this is not json")
+    return [f"data.tokenizer={tmp / 'tok'}"], "tokenizer.json"
+
+
+def tokenizer_wrong_shape_json(tmp, **_):
+    _write(tmp / "tok" / "tokenizer.json", '{"model": 3}')
+    return [f"data.tokenizer={tmp / 'tok'}"], "tokenizer.json"
+
+
+def tokenizer_garbage_config_only(tmp, **_):
+    _write(tmp / "tok" / "tokenizer_config.json", "[[[")
+    return [f"data.tokenizer={tmp / 'tok'}"], "data.tokenizer"
+
+
+def tokenizer_is_a_file(tmp, **_):
+    return [f"data.tokenizer={_write(tmp / 'tok.json', '{}')}"], "data.tokenizer"
+
+
+def ckpt_garbage_metadata(tmp, ckpt, **_):
+    _write(ckpt / "step_00000001" / ".metadata", b"\x80\x04garbage")
+    return _gen(f"checkpoint.load={ckpt}"), ".metadata"
+
+
+def ckpt_empty_metadata(tmp, ckpt, **_):
+    _write(ckpt / "step_00000001" / ".metadata", b"")
+    return _gen(f"checkpoint.load={ckpt}"), ".metadata"
+
+
+def ckpt_truncated_distcp(tmp, ckpt, **_):
+    for f in (ckpt / "step_00000001").glob("*.distcp"):
+        f.write_bytes(f.read_bytes()[:64])
+    return _gen(f"checkpoint.load={ckpt}"), "step_00000001"
+
+
+def ckpt_other_model_size(tmp, ckpt, **_):
+    frozen = ckpt / "step_00000001" / "config.yaml"
+    frozen.write_text(frozen.read_text().replace("hidden_size: 32", "hidden_size: 64"))
+    return _gen(f"checkpoint.load={ckpt}"), "step_00000001"
+
+
+def ckpt_latest_names_deleted_step(tmp, ckpt, **_):
+    (ckpt / "latest").write_text("step_00000099\n")
+    return _gen(f"checkpoint.load={ckpt}"), "step_00000099"
+
+
+def ckpt_latest_names_empty_step(tmp, ckpt, **_):
+    (ckpt / "step_00000002").mkdir()
+    (ckpt / "latest").write_text("step_00000002\n")
+    return _gen(f"checkpoint.load={ckpt}"), "step_00000002"
+
+
+def ckpt_corrupt_config(tmp, ckpt, **_):
+    _write(ckpt / "step_00000001" / "config.yaml", "model: [unclosed\n  - : :")
+    return _gen(f"checkpoint.load={ckpt}"), "config.yaml"
+
+
+def ckpt_config_wrong_shape(tmp, ckpt, **_):
+    _write(ckpt / "step_00000001" / "config.yaml", "- just\n- a list\n")
+    return _gen(f"checkpoint.load={ckpt}"), "config.yaml"
+
+
+def ckpt_not_a_checkpoint(tmp, **_):
+    (tmp / "empty").mkdir()
+    return _gen(f"checkpoint.load={tmp / 'empty'}"), "checkpoint.load"
+
+
+def ckpt_missing(tmp, **_):
+    return _gen(f"checkpoint.load={tmp / 'nowhere'}"), "checkpoint.load"
+
+
+def ckpt_resume_other_size(tmp, ckpt, **_):
+    return ["train.steps=2", f"checkpoint.load={ckpt}", "model.hidden_size=64", "model.head_dim=16",
+            "model.intermediate_size=64", "model.num_hidden_layers=1", "generate.num_samples=0"], "step_00000001"
+
+
+def ckpt_convert_garbage_metadata(tmp, ckpt, **_):
+    _write(ckpt / "step_00000001" / ".metadata", b"garbage")
+    return ["task=convert", "convert.to=hf", f"checkpoint.load={ckpt}", f"convert.out={tmp / 'o'}"], ".metadata"
+
+
+def _hf(hf, *extra):
+    return _gen("model=hf", f"checkpoint.load_hf={hf}", *extra)
+
+
+def hf_config_not_json(tmp, hf, **_):
+    _write(hf / "config.json", "{oops")
+    return _hf(hf), "config.json"
+
+
+def hf_config_list(tmp, hf, **_):
+    _write(hf / "config.json", "[1, 2]")
+    return _hf(hf), "config.json"
+
+
+def hf_config_missing_fields(tmp, hf, **_):
+    _write(hf / "config.json", '{"architectures": ["Qwen3ForCausalLM"]}')
+    return _hf(hf), "config.json"
+
+
+def hf_config_wrong_types(tmp, hf, **_):
+    config = json.loads((hf / "config.json").read_text())
+    config["hidden_size"] = "big"
+    _write(hf / "config.json", json.dumps(config))
+    return _hf(hf), "config.json"
+
+
+def hf_unsupported_architecture(tmp, hf, **_):
+    config = json.loads((hf / "config.json").read_text())
+    config["architectures"] = ["LlamaForCausalLM"]
+    _write(hf / "config.json", json.dumps(config))
+    return _hf(hf), "checkpoint.load_hf"
+
+
+def hf_bad_index(tmp, hf, **_):
+    _write(hf / "model.safetensors.index.json", "{not json")
+    return _hf(hf), "model.safetensors.index.json"
+
+
+def hf_index_wrong_shape(tmp, hf, **_):
+    _write(hf / "model.safetensors.index.json", '{"weights": {}}')
+    return _hf(hf), "model.safetensors.index.json"
+
+
+def hf_index_absent_shard(tmp, hf, **_):
+    _write(hf / "model.safetensors.index.json", '{"weight_map": {"lm_head.weight": "gone.safetensors"}}')
+    return _hf(hf), "gone.safetensors"
+
+
+def hf_garbage_shard(tmp, hf, **_):
+    _write(hf / "model.safetensors", b"\x00" * 64)
+    return _hf(hf), "model.safetensors"
+
+
+def hf_truncated_shard(tmp, hf, **_):
+    f = hf / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    return _hf(hf), "model.safetensors"
+
+
+def hf_no_weights(tmp, hf, **_):
+    os.remove(hf / "model.safetensors")
+    return _hf(hf), "checkpoint.load_hf"
+
+
+def hf_int32_weights(tmp, hf, **_):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(hf / "model.safetensors"))
+    state["model.norm.weight"] = state["model.norm.weight"].to(torch.int32)
+    save_file(state, str(hf / "model.safetensors"))
+    return _hf(hf), "model.norm.weight"
+
+
+def hf_missing_dir(tmp, **_):
+    return _gen("model=hf", f"checkpoint.load_hf={tmp / 'nope'}"), "checkpoint.load_hf"
+
+
+def hf_is_a_file(tmp, **_):
+    return _gen("model=hf", f"checkpoint.load_hf={_write(tmp / 'f', 'x')}"), "checkpoint.load_hf"
+
+
+def _prompts(ckpt, path, *extra):
+    return ["task=generate", f"checkpoint.load={ckpt}", f"generate.prompts_file={path}",
+            "generate.max_new_tokens=2", *extra]
+
+
+def prompts_empty(tmp, ckpt, **_):
+    return _prompts(ckpt, _write(tmp / "p.txt", "")), "generate.prompts_file"
+
+
+def prompts_blank_lines(tmp, ckpt, **_):
+    return _prompts(ckpt, _write(tmp / "p.txt", "\n  \n\n")), "generate.prompts_file"
+
+
+def prompts_not_utf8(tmp, ckpt, **_):
+    return _prompts(ckpt, _write(tmp / "p.txt", b"\xff\xfe\xfa")), "generate.prompts_file"
+
+
+def prompts_jsonl_not_json(tmp, ckpt, **_):
+    return _prompts(ckpt, _write(tmp / "p.jsonl", "{broken\n")), "generate.prompts_file"
+
+
+def prompts_jsonl_wrong_type(tmp, ckpt, **_):
+    return _prompts(ckpt, _write(tmp / "p.jsonl", '{"prompt": 3}\n')), "generate.prompts_file"
+
+
+def prompts_directory(tmp, ckpt, **_):
+    (tmp / "pd").mkdir()
+    return _prompts(ckpt, tmp / "pd"), "generate.prompts_file"
+
+
+def prompts_missing(tmp, ckpt, **_):
+    return _prompts(ckpt, tmp / "none.txt"), "generate.prompts_file"
+
+
+def output_is_a_directory(tmp, ckpt, **_):
+    (tmp / "od").mkdir()
+    return _gen(f"checkpoint.load={ckpt}", f"generate.output={tmp / 'od'}"), "generate.output"
+
+
+def output_under_a_file(tmp, ckpt, **_):
+    return _gen(f"checkpoint.load={ckpt}", f"generate.output={_write(tmp / 'f', 'x') / 'o.jsonl'}"), "generate.output"
+
+
+def convert_out_not_empty(tmp, ckpt, **_):
+    _write(tmp / "o" / "mine.txt", "keep me")
+    return ["task=convert", "convert.to=hf", f"checkpoint.load={ckpt}", f"convert.out={tmp / 'o'}"], "convert.out"
+
+
+def convert_out_is_a_file(tmp, ckpt, **_):
+    return ["task=convert", "convert.to=hf", f"checkpoint.load={ckpt}",
+            f"convert.out={_write(tmp / 'o', 'x')}"], "convert.out"
+
+
+def convert_bad_dtype(tmp, ckpt, **_):
+    return ["task=convert", "convert.to=hf", f"checkpoint.load={ckpt}", f"convert.out={tmp / 'o'}",
+            "convert.dtype=int8"], "convert.dtype"
+
+
+def convert_bad_shard_size(tmp, ckpt, **_):
+    return ["task=convert", "convert.to=hf", f"checkpoint.load={ckpt}", f"convert.out={tmp / 'o'}",
+            "convert.max_shard_size=lots"], "convert.max_shard_size"
+
+
+def _sft(path, fmt="messages", *extra):
+    return ["task=sft", f"data.input={path}", f"data.format={fmt}", "train.steps=1", *SMALL, *extra]
+
+
+def sft_content_int(tmp, **_):
+    rec = {"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]}
+    return _sft(_write(tmp / "s.jsonl", json.dumps(rec) + "\n")), "s.jsonl:1"
+
+
+def sft_messages_not_list(tmp, **_):
+    return _sft(_write(tmp / "s.jsonl", '{"messages": "hello"}\n')), "s.jsonl:1"
+
+
+def sft_turn_not_object(tmp, **_):
+    return _sft(_write(tmp / "s.jsonl", '{"conversations": ["hi"]}\n'), "sharegpt"), "s.jsonl:1"
+
+
+def sft_alpaca_wrong_type(tmp, **_):
+    return _sft(_write(tmp / "s.json", '[{"instruction": ["a"], "output": "b"}]'), "alpaca"), "s.json"
+
+
+def sft_wrong_format(tmp, **_):
+    rec = {"instruction": "a", "output": "b"}
+    return _sft(_write(tmp / "s.jsonl", json.dumps(rec) + "\n"), "messages"), "s.jsonl:1"
+
+
+FILE_CASES = [f for name, f in sorted(globals().items())
+              if name.split("_")[0] in ("data", "corpus", "tokenizer", "ckpt", "hf", "prompts", "output",
+                                        "convert", "sft") and callable(f) and not name.startswith("_")
+              and "_" in name and f.__module__ == __name__ and name != "hf_dir"]
+
+
+@pytest.mark.parametrize("build", FILE_CASES, ids=[f.__name__ for f in FILE_CASES])
+def test_bad_file_is_refused_in_one_line(build, tmp_path, capsys, request):
+    kwargs = {}
+    if "ckpt" in build.__code__.co_varnames[:build.__code__.co_argcount]:
+        kwargs["ckpt"] = request.getfixturevalue("ckpt")
+    if "hf" in build.__code__.co_varnames[:build.__code__.co_argcount]:
+        kwargs["hf"] = request.getfixturevalue("hf")
+    overrides, names = build(tmp_path, **kwargs)
+    capsys.readouterr()
+    assert_one_line_failure(*run_inprocess(tmp_path, capsys, *overrides), names)

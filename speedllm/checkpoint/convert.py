@@ -19,7 +19,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
 
-from speedllm.checkpoint.dcp import LATEST, _quiet_dcp, dcp_load, read_metadata, resolve_load, step_dir_name
+from speedllm.checkpoint.dcp import (LATEST, _quiet_dcp, dcp_load, read_metadata, read_saved_config, resolve_load,
+                                     step_dir_name)
 from speedllm.checkpoint.hf import (check_hf_files, copy_tokenizer, has_tokenizer, hf_model_fields, read_hf_config,
                                     weight_files, write_hf_dir)
 from speedllm.errors import UserError
@@ -93,7 +94,7 @@ def dcp_to_hf(load: str, out: str, cfg: DictConfig) -> Path:
     if not (ckpt / "config.yaml").is_file():
         raise UserError(f"checkpoint.load={load}: {ckpt} has no config.yaml, so its model is unknown; point it at "
                         "a checkpoint written by SpeedLLM")
-    saved = OmegaConf.load(ckpt / "config.yaml")
+    saved = read_saved_config(ckpt)
     metadata = read_metadata(ckpt).state_dict_metadata
     tensors = {key.removeprefix("model."): (tuple(meta.size), meta.properties.dtype)
                for key, meta in metadata.items() if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}

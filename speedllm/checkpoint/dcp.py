@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from speedllm.errors import UserError
+from speedllm.errors import UserError, reading
 from speedllm.outputs import MARKER, make_scratch_dir, remove_ours, write_text_atomic
 
 LATEST = "latest"
@@ -191,6 +191,18 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: torch.opt
                 remove_ours(old)  # a step_* directory we did not write is never deleted
     _barrier()
     return final
+
+
+def read_saved_config(step_dir: Path) -> DictConfig:
+    """The run config saved inside a checkpoint (`config.yaml`), checked to be one."""
+    frozen = step_dir / "config.yaml"
+    with reading(str(frozen), "copy the run directory's config.yaml over it, or point checkpoint.load at another "
+                 "checkpoint"):
+        saved = OmegaConf.load(frozen)
+    if not isinstance(saved, DictConfig) or not isinstance(saved.get("model"), DictConfig):
+        raise UserError(f"{frozen} is not a SpeedLLM run config (no model section); copy the run directory's "
+                        "config.yaml over it, or point checkpoint.load at another checkpoint")
+    return saved
 
 
 def resolve_load(load: Optional[str], root: str) -> Optional[Path]:

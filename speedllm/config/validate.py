@@ -132,7 +132,7 @@ def check_values(cfg: DictConfig) -> None:
 
 def check_outputs(cfg: DictConfig) -> None:
     """No output may write over an input: refused before any work."""
-    from speedllm.outputs import check_no_collision
+    from speedllm.outputs import check_no_collision, check_writable
 
     task, d, ck, gen = cfg.task.name, cfg.data, cfg.checkpoint, cfg.generate
     inputs = {"data.tokenizer": [d.tokenizer]}
@@ -142,12 +142,15 @@ def check_outputs(cfg: DictConfig) -> None:
         patterns = [d.input] if isinstance(d.input, str) else list(d.input)
         inputs["data.input"] = [f for pattern in patterns for f in (glob(str(pattern), recursive=True) or [pattern])]
         outputs = {"data.output_prefix": [f"{d.output_prefix}{suffix}" for suffix in (".bin", ".idx", ".json")]}
+        check_writable("data.output_prefix", f"{d.output_prefix}.bin")
     elif task == "generate" and gen.output is not None:
         if gen.prompts_file is not None:
             inputs["generate.prompts_file"] = [gen.prompts_file]
         outputs = {"generate.output": [gen.output]}
+        check_writable("generate.output", gen.output)
     elif task == "convert":
         outputs = {"convert.out": [cfg.convert.out]}
+        check_writable("convert.out", cfg.convert.out, directory=True)
     else:
         return
     check_no_collision(outputs, inputs)

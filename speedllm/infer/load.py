@@ -29,7 +29,7 @@ def adopt_checkpoint_config(cfg: DictConfig) -> None:
     (An HF directory needs nothing here: model=hf reads its config.json, and validation has already
     checked any other model= against it.)
     """
-    from speedllm.checkpoint.dcp import resolve_load
+    from speedllm.checkpoint.dcp import read_saved_config, resolve_load
 
     ck = cfg.checkpoint
     if ck.load_hf is not None:
@@ -45,7 +45,7 @@ def adopt_checkpoint_config(cfg: DictConfig) -> None:
         ck.load = str(path)
         frozen = path / "config.yaml"
         if frozen.is_file():
-            saved = OmegaConf.load(frozen)
+            saved = read_saved_config(path)
             if saved.model != cfg.model:
                 print(f"model and tokenizer from {frozen}: {saved.model.name}")
             cfg.model = OmegaConf.merge(cfg.model, saved.model)
