@@ -575,3 +575,114 @@ def test_bad_file_is_refused_in_one_line(build, tmp_path, capsys, request):
     overrides, names = build(tmp_path, **kwargs)
     capsys.readouterr()
     assert_one_line_failure(*run_inprocess(tmp_path, capsys, *overrides), names)
+
+
+# ------------------------------------------------------------------------------------ security
+
+class _Payload:
+    """Unpickling this creates the marker directory: the test of whether a file's code runs."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def test_planted_metadata_payload_never_runs(ckpt, tmp_path, capsys):
+    marker = tmp_path / "pwned"
+    (ckpt / "step_00000001" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    for overrides in (_gen(f"checkpoint.load={ckpt}"),
+                      ["task=convert", "convert.to=hf", f"checkpoint.load={ckpt}", f"convert.out={tmp_path / 'o'}"],
+                      [f"checkpoint.load={ckpt}", *SMALL]):
+        assert_one_line_failure(*run_inprocess(tmp_path, capsys, *overrides), ".metadata")
+        assert not marker.exists()
+
+
+def test_planted_payload_in_a_non_tensor_entry_never_runs(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from speedllm.checkpoint.dcp import dcp_load
+    from speedllm.errors import UserError
+
+    marker = tmp_path / "pwned"
+    dcp.save({"w": torch.ones(2), "extra": _Payload(marker)}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    state = {"w": torch.zeros(2), "extra": None}
+    with pytest.raises(UserError, match="checkpoint entry extra is a pickled object"):
+        dcp_load(state, tmp_path / "c")
+    assert not marker.exists()
+    # plain non-tensor values (an optimizer's param_groups) still load
+    dcp.save({"w": torch.ones(2), "extra": {"lr": 0.1, "betas": (0.9, 0.95)}}, checkpoint_id=str(tmp_path / "d"),
+             no_dist=True)
+    state = {"w": torch.zeros(2), "extra": {"lr": 0.0, "betas": (0.0, 0.0)}}
+    dcp_load(state, tmp_path / "d")
+    assert state["extra"] == {"lr": 0.1, "betas": (0.9, 0.95)} and torch.equal(state["w"], torch.ones(2))
+
+
+# ------------------------------------------------------------------------------ input preservation
+
+def _collisions(tmp, ckpt, hf):
+    """(overrides, the inputs that must stay byte-identical, names) for each output that would hit an input."""
+    corpus = _write(tmp / "corpus" / "docs.json", json.dumps([{"text": "a b c"}] * 3))
+    prompts = _write(tmp / "prompts.txt", "Hello\nWorld\n")
+    return [
+        (_preprocess(corpus, corpus.with_suffix("")), [corpus], "data.output_prefix"),
+        (["task=generate", f"checkpoint.load={ckpt}", f"generate.prompts_file={prompts}",
+          f"generate.output={prompts}"], [prompts, ckpt], "generate.output"),
+        (["task=convert", "convert.to=hf", f"checkpoint.load={ckpt}", f"convert.out={ckpt / 'export'}"], [ckpt],
+         "convert.out"),
+        (["task=convert", "convert.to=dcp", f"checkpoint.load_hf={hf}", f"convert.out={hf / 'dcp'}"], [hf],
+         "convert.out"),
+        (["task=convert", "convert.to=hf", f"checkpoint.load={ckpt}", f"convert.out={tmp}"], [ckpt, prompts],
+         "convert.out"),
+    ]
+
+
+def test_outputs_that_collide_with_inputs_are_refused_and_inputs_kept(ckpt, hf, tmp_path, capsys):
+    for overrides, inputs, names in _collisions(tmp_path, ckpt, hf):
+        before = [tree_hash(p) for p in inputs]
+        assert_one_line_failure(*run_inprocess(tmp_path, capsys, *overrides), names)
+        assert [tree_hash(p) for p in inputs] == before, overrides
+
+
+def test_pruning_and_scratch_dirs_touch_only_our_own_folders(tmp_path):
+    from speedllm.checkpoint.dcp import save_checkpoint
+    from speedllm.checkpoint.hf import write_hf_dir
+    from speedllm.errors import UserError
+
+    root = tmp_path / "ckpts"
+    users = _write(root / "step_00000000" / "notes.txt", "my own folder, named like a checkpoint").parent
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for step in (1, 2, 3):
+        save_checkpoint(str(root), step, model, optimizer, {"step": step}, OmegaConf.create({}), keep=1)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000000", "step_00000003"]
+    assert (users / "notes.txt").read_text() == "my own folder, named like a checkpoint"
+
+    # a user's folder with the name of a checkpoint being written, or of the HF export's scratch dir: refused
+    _write(root / "step_00000004" / "mine.txt", "keep")
+    with pytest.raises(UserError, match="not written by SpeedLLM"):
+        save_checkpoint(str(root), 4, model, optimizer, {"step": 4}, OmegaConf.create({}), keep=1)
+    scratch = _write(tmp_path / ".export.tmp" / "mine.txt", "keep").parent
+    with pytest.raises(UserError, match="not made by SpeedLLM"):
+        write_hf_dir(str(tmp_path / "export"), None, {}, lambda names: {}, progress=False)
+    assert (root / "step_00000004" / "mine.txt").read_text() == "keep" and (scratch / "mine.txt").exists()
+
+
+# ---------------------------------------------------------------------------------- catch-all
+
+def test_unexpected_error_is_one_line_with_the_traceback_in_launch_log(tmp_path, capsys):
+    from speedllm.console import console_log, guarded
+
+    def broken():
+        print("step 1 done")
+        {}["no such key"]
+
+    with console_log(tmp_path) as log:
+        status = guarded(broken, log, tmp_path)
+    out, err = capsys.readouterr()
+    assert status == 1 and out == "step 1 done\n"
+    assert err == (f"internal error: KeyError: 'no such key'; full traceback in {tmp_path / 'launch.log'}; "
+                   "please report it\n")
+    logged = (tmp_path / "launch.log").read_text()
+    assert logged.startswith("step 1 done\n") and "Traceback" in logged and 'in broken' in logged
