@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from speedllm.config.schema import register_configs
 from speedllm.config.validate import IN_PROCESS_TASKS, validate, validate_values
 from speedllm.console import console_log, discard_run_dir, guarded
-from speedllm.errors import UserError
+from speedllm.errors import UserError, one_line
 from speedllm.hardware import detect, load_profile
 from speedllm.runtime import Runtime, init_runtime
 
@@ -115,10 +115,13 @@ def run_task(cfg: DictConfig, rt: Runtime) -> None:
 def _spawn(cfg: DictConfig, frozen: Path, nproc: int) -> None:
     """Run the frozen job as nproc local ranks (x nnodes) through torch's elastic launcher (torchrun's engine)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     lc = cfg.launcher
     rdzv_configs = {"rank": lc.node_rank} if lc.rdzv_backend == "static" else {}
+    rdzv_configs.update(timeout=int(lc.rdzv_timeout), join_timeout=int(lc.rdzv_timeout),
+                        read_timeout=int(lc.rdzv_timeout))
     config = LaunchConfig(
         min_nodes=lc.nnodes, max_nodes=lc.nnodes, nproc_per_node=nproc,
         run_id="speedllm" if lc.nnodes > 1 else uuid.uuid4().hex[:8],
@@ -127,6 +130,10 @@ def _spawn(cfg: DictConfig, frozen: Path, nproc: int) -> None:
     )
     try:
         elastic_launch(config, sys.executable)("-m", "speedllm.launcher", str(frozen))
+    except RendezvousError as e:
+        raise UserError(f"launcher.rdzv_endpoint={lc.rdzv_endpoint}: no rendezvous with {lc.nnodes} node(s) within "
+                        f"launcher.rdzv_timeout={lc.rdzv_timeout}s ({one_line(e)}); start the same command on every "
+                        "node with node 0's host:port, or raise launcher.rdzv_timeout") from None
     except ChildFailedError as e:
         codes = sorted({f.exitcode for f in e.failures.values()})
         ranks = ", ".join(str(r) for r in sorted(e.failures))

@@ -686,3 +686,30 @@ def test_unexpected_error_is_one_line_with_the_traceback_in_launch_log(tmp_path,
                    "please report it\n")
     logged = (tmp_path / "launch.log").read_text()
     assert logged.startswith("step 1 done\n") and "Traceback" in logged and 'in broken' in logged
+
+
+# ------------------------------------------------------------------------------------- end to end
+
+def _launch_py(tmp, *overrides, stdin=None):
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), f"hydra.run.dir={tmp / 'run'}", *overrides],
+                          capture_output=True, text=True, timeout=300, cwd=tmp, input=stdin)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.mark.slow
+def test_launch_py_bad_inputs_end_to_end(ckpt, tmp_path):
+    """Through launch.py: exit 2, one line, no traceback, no run directory; a planted payload never runs; an
+    unresolvable rendezvous host fails at once."""
+    marker = tmp_path / "pwned"
+    (ckpt / "step_00000001" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    cases = [
+        (["train.steps=-1"], "train.steps"),
+        (_gen(f"checkpoint.load={ckpt}"), ".metadata"),
+        (["parallel=dp2", "launcher.nnodes=2", "launcher.nproc_per_node=1", "task=doctor",
+          "launcher.rdzv_endpoint=no-such-host.invalid:29500"], "launcher.rdzv_endpoint"),
+    ]
+    for overrides, names in cases:
+        status, out, err = _launch_py(tmp_path, *overrides)
+        assert_one_line_failure(status, out, err, names)
+        assert not (tmp_path / "run").exists()
+    assert not marker.exists()

@@ -205,6 +205,21 @@ def check_batch(cfg: DictConfig) -> None:
                         f"pick a multiple of {p.tp} or set parallel.sequence_parallel=false")
 
 
+def check_rendezvous(cfg: DictConfig) -> None:
+    """Several nodes: node 0's host must resolve here (an unresolvable one would hang the rendezvous)."""
+    import socket
+
+    lc = cfg.launcher
+    if lc.nnodes == 1 or lc.rdzv_backend not in ("c10d", "static"):
+        return
+    host, _, port = lc.rdzv_endpoint.rpartition(":")
+    try:
+        socket.getaddrinfo(host, int(port))
+    except (socket.gaierror, ValueError) as e:
+        raise UserError(f"launcher.rdzv_endpoint={lc.rdzv_endpoint}: {host or '(no host)'} does not resolve here "
+                        f"({e}); give node 0's host name or address and a port, like node0:29500") from None
+
+
 def check_world(cfg: DictConfig, world_size: int) -> None:
     p = cfg.parallel
     product = p.dp * p.cp * p.tp * p.pp
@@ -315,6 +330,7 @@ def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
     check_batch(cfg)
     if cfg.task.name != "plan":
         check_world(cfg, world_size)
+        check_rendezvous(cfg)
         check_paths(cfg)
         check_outputs(cfg)
         if cfg.task.name not in IN_PROCESS_TASKS:
