@@ -134,6 +134,18 @@ def test_diverging_run_stops_without_checkpoint(tmp_path):
     assert [r["skipped_steps"] for r in metrics(tmp_path)] == [0, 1, 2]
 
 
+def test_resume_replaces_the_metrics_of_re_run_steps(tmp_path, capsys):
+    run(config(tmp_path, "train.steps=8", "checkpoint.every=4", "checkpoint.keep=0"), Runtime())
+    first = metrics(tmp_path)
+    out = capsys.readouterr().out
+    assert f"checkpoint: step 4 saved to {tmp_path / 'checkpoints' / 'step_00000004'}" in out
+    assert f"checkpoint.load={tmp_path / 'checkpoints'}" in out.splitlines()[-1]
+    run(config(tmp_path, "train.steps=8", f"checkpoint.load={tmp_path / 'checkpoints' / 'step_00000004'}"), Runtime())
+    again = metrics(tmp_path)
+    assert [r["step"] for r in again] == list(range(1, 9))  # steps 5-8 once, from the second run
+    assert [r["loss"] for r in again] == [r["loss"] for r in first]
+
+
 _TRAINER = textwrap.dedent("""
     import sys
     sys.path.insert(0, {tests!r})
