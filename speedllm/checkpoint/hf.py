@@ -298,10 +298,37 @@ def _config_json(model_cfg, source: Optional[Path], dtype: torch.dtype) -> dict:
     return config
 
 
-def _generation_config_json(config: dict, source: Optional[Path]) -> dict:
+def _token_ids(tokenizer_dir: Path, vocab_size: int) -> dict:
+    """bos/eos/pad ids for config.json, and the ids generation stops at (eos, end of turn, end of text): those of
+    the tokenizer's ids the model's vocabulary has."""
+    from speedllm.data.tokenizer import load_tokenizer
+    from speedllm.infer.load import pad_id_of, stop_ids_of
+
+    tok = load_tokenizer(str(tokenizer_dir))
+    ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": pad_id_of(tok)}
+    ids = {key: i for key, i in ids.items() if i is not None and i < vocab_size}
+    return {**ids, "stop_ids": [i for i in stop_ids_of(tok) if i < vocab_size]}
+
+
+def _write_generation_config(tmp: Path, config: dict, ids: dict, source: Optional[Path]) -> None:
+    """The source's generation_config.json, else one that stops where our generate stops (greedy by default)."""
     if source is not None and (source / "generation_config.json").is_file():
-        return json.loads((source / "generation_config.json").read_text())
-    return {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(key) is not None}
+        shutil.copy2(source / "generation_config.json", tmp / "generation_config.json")
+        return
+    from transformers import GenerationConfig
+
+    stops = ids.get("stop_ids") or ([config["eos_token_id"]] if config.get("eos_token_id") is not None else None)
+    GenerationConfig(bos_token_id=config.get("bos_token_id"), pad_token_id=config.get("pad_token_id"),
+                     eos_token_id=stops).save_pretrained(tmp)
+
+
+def _honour_umask(root: Path) -> None:
+    """safetensors writes 0600 files; give every file the mode the user's umask asks for."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in root.iterdir():
+        path.chmod(0o666 & ~mask)
+    root.chmod(0o777 & ~mask)
 
 
 def write_hf_dir(out: str, model_cfg, tensors: Dict[str, Tuple[tuple, torch.dtype]],
@@ -344,14 +371,18 @@ def write_hf_dir(out: str, model_cfg, tensors: Dict[str, Tuple[tuple, torch.dtyp
     (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
     source_path = Path(source) if source is not None else None
-    config = _config_json(model_cfg, source_path, tensors["embed_tokens.weight"][1])
-    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    (tmp / "generation_config.json").write_text(json.dumps(_generation_config_json(config, source_path),
-                                                           indent=2, sort_keys=True) + "\n")
     copy_tokenizer(source if source_path and has_tokenizer(source) else tokenizer, tmp)
+    config = _config_json(model_cfg, source_path, tensors["embed_tokens.weight"][1])
+    ids = _token_ids(tmp, model_cfg.vocab_size) if has_tokenizer(str(tmp)) else {}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if config.get(key) is None and ids.get(key) is not None:
+            config[key] = ids[key]
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    _write_generation_config(tmp, config, ids, source_path)
     if out_path.exists():
         out_path.rmdir()  # empty (checked above)
     (tmp / MARKER).unlink()  # the finished directory is the user's
+    _honour_umask(tmp)
     os.replace(tmp, out_path)
     return out_path
 
