@@ -713,3 +713,32 @@ def test_launch_py_bad_inputs_end_to_end(ckpt, tmp_path):
         assert_one_line_failure(status, out, err, names)
         assert not (tmp_path / "run").exists()
     assert not marker.exists()
+
+
+# ------------------------------------------------------------------------------- realistic input
+
+def test_prompt_dash_reads_stdin(monkeypatch):
+    import io
+
+    from speedllm.infer.generate import read_prompts
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello, world\nsecond line\n"))
+    assert read_prompts(composed("task=generate", "generate.prompt=-").generate) == ["Hello, world\nsecond line"]
+
+
+def test_training_only_rules_do_not_apply_to_inference():
+    from speedllm.config.validate import check_batch
+    from speedllm.errors import UserError
+
+    check_batch(composed("task=generate", "generate.prompt=x", "train.seq_len=8192"))  # past 4096 positions: fine
+    with pytest.raises(UserError, match="train.seq_len=8192 exceeds max_position_embeddings=4096"):
+        check_batch(composed("train.seq_len=8192"))
+
+
+def test_plan_with_demo_sizes_on_a_big_model_says_what_to_pass():
+    from speedllm.planner.plan import demo_sized_note
+
+    note = demo_sized_note(composed("task=plan", "model=qwen3_8b"))
+    assert "train.seq_len=128" in note and "train.seq_len=4096 train.global_batch_size=1024" in note
+    assert demo_sized_note(composed("task=plan")) is None  # the demo model with the demo sizes
+    assert demo_sized_note(composed("task=plan", "model=qwen3_8b", "train.seq_len=4096")) is None
