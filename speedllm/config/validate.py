@@ -8,30 +8,29 @@ import math
 import os
 from glob import glob
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from speedllm.config.rules import inference_layout_errors, layout_errors
 from speedllm.errors import UserError
+from speedllm.ops import IMPLEMENTATIONS
+from speedllm.train.schedule import SCHEDULES
 
 CHOICES = {
     "hardware.device": ("cpu", "cuda", "npu"),
     "hardware.backend": ("gloo", "nccl", "hccl"),
-    "hardware.ops": ("reference", "cuda", "npu"),
+    "hardware.ops": IMPLEMENTATIONS,
     "hardware.dtype": ("float32", "bfloat16", "float16"),
     "parallel.pp_schedule": ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"),
     "train.recompute": ("none", "selective", "full"),
-    "optim.schedule": ("constant", "linear", "cosine", "wsd"),
+    "optim.schedule": SCHEDULES,
     "data.format": ("pretrain", "alpaca", "sharegpt", "messages"),
     "data.loss_on": ("all", "assistant", "last"),
     "data.overlong": ("truncate", "drop"),
     "data.on_error": ("fail", "skip"),
     "convert.to": ("hf", "dcp"),
     "launcher.rdzv_backend": ("c10d", "static", "etcd", "etcd-v2"),
-    "task.name": ("pretrain", "sft", "generate", "chat", "evaluate", "preprocess", "convert", "plan", "doctor"),
+    "evaluate.split": ("train", "valid", "test"),
 }
-INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
-# Tasks that plan for or convert between machines: they run in one process and need no devices.
-IN_PROCESS_TASKS = ("preprocess", "convert", "plan")
-TRAINING_TASKS = ("pretrain", "sft", "evaluate")  # tasks that cut data into train.seq_len sequences
 
 
 def _at_least(low):
@@ -44,6 +43,10 @@ def _above(low):
 
 def _fraction(v) -> bool:
     return 0 <= v <= 1
+
+
+def _finite(v) -> bool:
+    return all(math.isfinite(x) for x in (v if isinstance(v, list) else [v]))
 
 
 # key -> (test, what it must be): values a library would reject later, or that would silently do nothing.
@@ -73,7 +76,6 @@ VALUE_RULES = {
     "launcher.rdzv_timeout": _above(0),
     "data.workers": _at_least(1),
     "data.loader_workers": _at_least(0),
-    "evaluate.steps": _at_least(1),
     "hardware.memory_gb": _above(0),
     "plan.top": _at_least(1),
     "plan.show_rejected": _at_least(0),
@@ -89,10 +91,6 @@ def _get(cfg: DictConfig, dotted: str):
     return node
 
 
-def _divisors(n: int) -> str:
-    return "{" + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
-
-
 def check_choices(cfg: DictConfig) -> None:
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
@@ -103,11 +101,14 @@ def check_choices(cfg: DictConfig) -> None:
 def check_values(cfg: DictConfig) -> None:
     """Each value on its own: in range, finite; then the few rules between two keys of one group."""
     for key, (ok, must_be) in VALUE_RULES.items():
-        value = _get(cfg, key)
-        numbers = list(value) if key == "optim.betas" else [value]
-        if not all(math.isfinite(v) for v in numbers) or not ok(value):
-            shown = list(value) if key == "optim.betas" else value
-            raise UserError(f"{key}={shown} must be {must_be}; set {key} to such a value")
+        value = OmegaConf.select(cfg, key)
+        if value is None:  # an optimizer without this argument
+            continue
+        listed = OmegaConf.is_list(value)
+        # a rule holds for each entry of a list (adafactor's eps pair), except betas, which is one value
+        items = [list(value)] if key == "optim.betas" else [v for v in value if v is not None] if listed else [value]
+        if not all(_finite(v) and ok(v) for v in items):
+            raise UserError(f"{key}={list(value) if listed else value} must be {must_be}; set {key} to such a value")
     m, o, lc = cfg.model, cfg.optim, cfg.launcher
     if m.num_attention_heads % m.num_key_value_heads:
         raise UserError(f"model.num_key_value_heads={m.num_key_value_heads} must divide model.num_attention_heads="
@@ -120,14 +121,10 @@ def check_values(cfg: DictConfig) -> None:
     if lc.node_rank >= lc.nnodes:
         raise UserError(f"launcher.node_rank={lc.node_rank} must be below launcher.nnodes={lc.nnodes} "
                         f"(nodes count from 0)")
-    if cfg.task.name in TRAINING_TASKS:
+    if cfg.task.name in ("pretrain", "sft", "evaluate"):  # the tasks that split their data
         from speedllm.data.datasets import parse_split
 
         parse_split(cfg.data.split)
-    if cfg.task.name == "generate":
-        from speedllm.infer.generate import check_settings
-
-        check_settings(cfg.generate)
 
 
 def check_outputs(cfg: DictConfig) -> None:
@@ -157,36 +154,29 @@ def check_outputs(cfg: DictConfig) -> None:
 
 
 def check_parallel(cfg: DictConfig) -> None:
-    m, p, name = cfg.model, cfg.parallel, cfg.model.name
-    for key in ("tp", "pp", "vpp", "ep", "cp", "dp"):
-        if p[key] < 1:
-            raise UserError(f"parallel.{key}={p[key]} must be >= 1")
-    for heads_key in ("num_attention_heads", "num_key_value_heads"):
-        heads = m[heads_key]
-        if heads % p.tp:
-            raise UserError(f"parallel.tp={p.tp} does not divide {heads_key}={heads} of model {name}; "
-                            f"use tp in {_divisors(m.num_key_value_heads)}")
-    stages = p.pp * p.vpp
-    if p.pp_layers is not None:
-        if len(p.pp_layers) != stages or sum(p.pp_layers) != m.num_hidden_layers or min(p.pp_layers) < 1:
-            raise UserError(f"parallel.pp_layers={list(p.pp_layers)} must list {stages} stage sizes (pp*vpp) of at "
-                            f"least 1 that sum to num_hidden_layers={m.num_hidden_layers} of model {name}")
-    elif m.num_hidden_layers % stages:
-        raise UserError(f"model.num_hidden_layers={m.num_hidden_layers} of model {name} cannot be split evenly over "
-                        f"parallel.pp={p.pp} x parallel.vpp={p.vpp} = {stages} stages; use pp*vpp in "
-                        f"{_divisors(m.num_hidden_layers)} or list the layers per stage in parallel.pp_layers")
-    if p.vpp > 1 and p.pp_schedule not in INTERLEAVED:
-        raise UserError(f"parallel.vpp={p.vpp} needs an interleaved schedule; set parallel.pp_schedule to one of "
-                        f"{', '.join(INTERLEAVED)} (or vpp=1)")
-    if p.ep > 1:
-        if m.num_experts == 0:
-            raise UserError(f"parallel.ep={p.ep} needs a MoE model but {name} is dense; set parallel.ep=1")
-        if m.num_experts % p.ep:
-            raise UserError(f"parallel.ep={p.ep} does not divide num_experts={m.num_experts} of model {name}; "
-                            f"use ep in {_divisors(m.num_experts)}")
-        if (p.dp * p.cp) % p.ep:
-            raise UserError(f"parallel.ep={p.ep} must divide parallel.dp x parallel.cp = {p.dp * p.cp} "
-                            f"(experts are spread over the data/context ranks); raise dp or lower ep")
+    p = cfg.parallel
+    errors = layout_errors(cfg.model, tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, cp=p.cp, dp=p.dp,
+                           schedule=p.pp_schedule, pp_layers=p.pp_layers)
+    if cfg.task.inference:
+        errors += inference_layout_errors(cfg.task.name, pp=p.pp, cp=p.cp, ep=p.ep)
+    if errors:
+        raise UserError(errors[0])
+
+
+def check_task(cfg: DictConfig) -> None:
+    """The task's `_target_` and the optimizer's must resolve before anything is launched."""
+    from hydra.utils import get_method
+
+    from speedllm.train.optimizer import optimizer_errors
+
+    try:
+        get_method(cfg.task._target_)
+    except Exception as e:  # hydra wraps import and attribute errors alike
+        raise UserError(f"task._target_={cfg.task._target_} cannot be imported ({str(e).splitlines()[0]}); "
+                        "use one of the tasks in conf/task") from None
+    errors = optimizer_errors(cfg.optim)
+    if errors:
+        raise UserError(errors[0])
 
 
 def check_batch(cfg: DictConfig) -> None:
@@ -194,7 +184,7 @@ def check_batch(cfg: DictConfig) -> None:
     if t.global_batch_size % (t.micro_batch_size * p.dp):
         raise UserError(f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="
                         f"{t.micro_batch_size} x parallel.dp={p.dp}; use a multiple of {t.micro_batch_size * p.dp}")
-    if cfg.task.name in TRAINING_TASKS and t.seq_len > m.max_position_embeddings:
+    if t.seq_len > m.max_position_embeddings and not cfg.task.inference:
         raise UserError(f"train.seq_len={t.seq_len} exceeds max_position_embeddings={m.max_position_embeddings} of "
                         f"model {m.name}; lower train.seq_len")
     if p.cp > 1 and t.seq_len % (2 * p.cp):
@@ -203,6 +193,23 @@ def check_batch(cfg: DictConfig) -> None:
     if p.tp > 1 and p.sequence_parallel and t.seq_len % p.tp:
         raise UserError(f"train.seq_len={t.seq_len} must be divisible by parallel.tp={p.tp} with sequence parallel; "
                         f"pick a multiple of {p.tp} or set parallel.sequence_parallel=false")
+
+
+def check_inference(cfg: DictConfig) -> None:
+    """Sampling and evaluation settings of the tasks that run a trained model."""
+    gen = cfg.generate
+    rules = [
+        (gen.max_new_tokens >= 1, f"generate.max_new_tokens={gen.max_new_tokens} must be >= 1"),
+        (gen.batch_size >= 1, f"generate.batch_size={gen.batch_size} must be >= 1"),
+        (gen.temperature >= 0, f"generate.temperature={gen.temperature} must be >= 0 (0 = greedy)"),
+        (gen.top_k >= 0, f"generate.top_k={gen.top_k} must be >= 0 (0 = off)"),
+        (0 < gen.top_p <= 1, f"generate.top_p={gen.top_p} must be in (0, 1] (1 = off)"),
+        (gen.repetition_penalty > 0, f"generate.repetition_penalty={gen.repetition_penalty} must be > 0 (1 = off)"),
+        (cfg.evaluate.steps >= 1, f"evaluate.steps={cfg.evaluate.steps} must be >= 1"),
+    ]
+    for ok, message in rules:
+        if not ok:
+            raise UserError(message)
 
 
 def check_rendezvous(cfg: DictConfig) -> None:
@@ -320,6 +327,7 @@ def validate_values(cfg: DictConfig) -> None:
     """The rules that need no layout: run before the launcher derives the world size from these values."""
     check_hf_model(cfg)
     check_choices(cfg)
+    check_task(cfg)
     check_values(cfg)
 
 
@@ -328,12 +336,14 @@ def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
     validate_values(cfg)
     check_parallel(cfg)
     check_batch(cfg)
+    if cfg.task.inference:
+        check_inference(cfg)
     if cfg.task.name != "plan":
         check_world(cfg, world_size)
         check_rendezvous(cfg)
         check_paths(cfg)
         check_outputs(cfg)
-        if cfg.task.name not in IN_PROCESS_TASKS:
+        if not cfg.task.in_process:
             check_device(cfg, nproc_per_node)
         if cfg.task.name not in ("doctor", "convert", "preprocess"):  # preprocess uses no model
             check_tokenizer(cfg)
