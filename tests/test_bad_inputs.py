@@ -11,7 +11,6 @@ import pickle
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -130,7 +129,7 @@ VALUES = [
     ("launcher.rdzv_backend=bogus", "launcher.rdzv_backend"), ("launcher.rdzv_timeout=0", "launcher.rdzv_timeout"),
     ("data.workers=0", "data.workers"), ("data.loader_workers=-1", "data.loader_workers"),
     ("data.split=[nan,1,1]", "data.split"), ("data.split=[0,0,0]", "data.split"), ("data.split=[1,-1,0]", "data.split"),
-    ("data.split=[1,1,1,1]", "data.split"), ("data.split=abc", "data.split"), ("evaluate.steps=0", "evaluate.steps"),
+    ("data.split=[1,1,1,1]", "data.split"), ("data.split=abc", "data.split"),
     ("model.num_attention_heads=0", "model.num_attention_heads"), ("model.num_key_value_heads=3", "num_key_value_heads"),
     ("model.hidden_size=-1", "model.hidden_size"), ("model.vocab_size=0", "model.vocab_size"),
     ("model.rms_norm_eps=0", "model.rms_norm_eps"), ("model.num_experts=-1", "model.num_experts"),
@@ -156,6 +155,7 @@ TASK_VALUES = [
     (_gen("generate.temperature=-1"), "generate.temperature"),
     (_gen("generate.batch_size=0"), "generate.batch_size"),
     (["task=generate"], "generate.prompt"),
+    (["task=evaluate", "evaluate.steps=0"], "evaluate.steps"),
     (["task=preprocess"], "data.input"),
     (["task=convert", "convert.to=hf"], "convert.out"),
     (["task=convert", "convert.to=onnx", "convert.out=x"], "convert.to"),

@@ -10,7 +10,7 @@ from glob import glob
 
 from omegaconf import DictConfig, OmegaConf
 
-from speedllm.config.rules import inference_layout_errors, layout_errors
+from speedllm.config.rules import divisors, inference_layout_errors, layout_errors
 from speedllm.errors import UserError
 from speedllm.ops import IMPLEMENTATIONS
 from speedllm.train.schedule import SCHEDULES
@@ -112,7 +112,7 @@ def check_values(cfg: DictConfig) -> None:
     m, o, lc = cfg.model, cfg.optim, cfg.launcher
     if m.num_attention_heads % m.num_key_value_heads:
         raise UserError(f"model.num_key_value_heads={m.num_key_value_heads} must divide model.num_attention_heads="
-                        f"{m.num_attention_heads} (grouped-query attention); use one of {_divisors(m.num_attention_heads)}")
+                        f"{m.num_attention_heads} (grouped-query attention); use one of {divisors(m.num_attention_heads)}")
     if m.num_experts > 0 and not (1 <= m.num_experts_per_tok <= m.num_experts and m.moe_intermediate_size >= 1):
         raise UserError(f"model.num_experts={m.num_experts} needs model.num_experts_per_tok in [1, {m.num_experts}] "
                         f"and model.moe_intermediate_size >= 1 (now {m.num_experts_per_tok}, {m.moe_intermediate_size})")
