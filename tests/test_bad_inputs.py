@@ -68,7 +68,7 @@ def checkpoint(tmp_path_factory):
     from speedllm.models.qwen3 import Qwen3
 
     root = tmp_path_factory.mktemp("ckpt")
-    cfg = composed(f"run_dir={root}", *SMALL)
+    cfg = composed(f"run_dir={root}", *SMALL, "model.max_position_embeddings=64")
     OmegaConf.resolve(cfg)
     model = Qwen3(cfg.model)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -724,6 +724,13 @@ def test_prompt_dash_reads_stdin(monkeypatch):
 
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hello, world\nsecond line\n"))
     assert read_prompts(composed("task=generate", "generate.prompt=-").generate) == ["Hello, world\nsecond line"]
+
+
+def test_generation_past_the_trained_context_says_so(ckpt, tmp_path, capsys):
+    status, out, err = run_inprocess(tmp_path, capsys, "task=generate", "generate.prompt=Hi",
+                                     "generate.max_new_tokens=70", f"checkpoint.load={ckpt}")
+    assert status == 0
+    assert "goes past the model's max_position_embeddings=64" in err
 
 
 def test_training_only_rules_do_not_apply_to_inference():
