@@ -15,10 +15,12 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from speedllm.config.schema import ROOT, ModelConfig  # noqa: E402
+from speedllm.config import compose_config  # noqa: E402
+from speedllm.config.schema import ModelConfig  # noqa: E402
 from speedllm.hardware import load_profile  # noqa: E402
+from speedllm.paths import CONF  # noqa: E402
 from speedllm.planner.layout import layout_from_config  # noqa: E402
-from speedllm.planner.measure import compose_config, measure_layout, measure_training_step  # noqa: E402
+from speedllm.planner.measure import measure_layout, measure_training_step  # noqa: E402
 from speedllm.planner.memory import GIB, rank_params  # noqa: E402
 from speedllm.planner.mindspeed import PUBLISHED, published_estimate  # noqa: E402
 from speedllm.planner.search import Planner, Problem, problem_from_config  # noqa: E402
@@ -30,7 +32,7 @@ COMMON = ["hardware=cpu", "train.seq_len=128", "train.micro_batch_size=2", "trai
 
 
 def model_config(name):
-    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml"),
+    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(CONF / "model" / f"{name}.yaml"),
                            {"tokenizer": "unused"})
 
 

@@ -1,7 +1,8 @@
 """Freeze a composed config and run it: in this process, or as N ranks through PyTorch's elastic launcher.
 
-`launch.py` (the only @hydra.main) hands the composed config to `launch()`. Spawned workers run
-`python -m speedllm.launcher <run_dir>/config.yaml`: they read the frozen config and never re-run Hydra.
+`speedllm.cli` (the only @hydra.main, behind `launch.py` and the `speedllm` command) hands the composed config
+to `launch()`. Spawned workers run `python -m speedllm.launcher <run_dir>/config.yaml`: they read the frozen
+config and never re-run Hydra.
 """
 
 import importlib
@@ -14,11 +15,11 @@ from pathlib import Path
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from speedllm.config.schema import register_configs
+from speedllm.config import register_configs
 from speedllm.config.validate import IN_PROCESS_TASKS, validate
 from speedllm.errors import UserError
 from speedllm.hardware import detect, load_profile
-from speedllm.runtime import Runtime, init_runtime
+from speedllm.runtime import Runtime, init_runtime, under_torchrun
 
 # task name -> "module:function"; every task is `run(cfg, rt)`.
 TASKS = {
@@ -33,11 +34,6 @@ TASKS = {
     "doctor": "speedllm.doctor:run",
 }
 FROZEN_NAME = "config.yaml"
-
-
-def under_torchrun() -> bool:
-    """True when torchrun (or another elastic agent) started this process as one rank of a job."""
-    return "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def resolve_hardware(cfg: DictConfig) -> None:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from speedllm.parallel.mesh import build_mesh, world_size_of
+from speedllm.parallel.mesh import build_mesh
 
 
 @dataclass
@@ -25,6 +25,11 @@ class Runtime:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def under_torchrun() -> bool:
+    """True when torchrun (or another elastic agent) started this process as one rank of a job."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def seed_everything(seed: int) -> None:
@@ -78,4 +83,4 @@ def init_runtime(cfg: DictConfig, distributed: bool = True) -> Runtime:
     return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mesh=mesh)
 
 
-__all__ = ["Runtime", "init_runtime", "seed_everything", "world_size_of"]
+__all__ = ["Runtime", "init_runtime", "seed_everything", "under_torchrun"]

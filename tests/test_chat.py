@@ -13,9 +13,10 @@ import torch
 from omegaconf import OmegaConf
 from transformers import Qwen3ForCausalLM
 
-from speedllm.config.schema import ASSETS, ROOT, ModelConfig
+from speedllm.config.schema import ModelConfig
 from speedllm.data.tokenizer import load_tokenizer
 from speedllm.models.hf_adapter import hf_config
+from speedllm.paths import ASSETS, ROOT
 
 DEMO_TOKENIZER = ASSETS / "tokenizers" / "demo"
 NEW_TOKENS = 8

@@ -9,13 +9,12 @@ from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
 from speedllm.config import register_configs
-from speedllm.config.schema import ROOT
 from speedllm.config.validate import check_world, validate
 from speedllm.errors import UserError
 from speedllm.hardware import load_profile
 from speedllm.launcher import resolve_layout
+from speedllm.paths import ASSETS, CONF, ROOT
 
-CONF = ROOT / "conf"
 MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml") if p.stem != "hf")  # hf: tests/test_hf.py
 PARALLELS = sorted(p.stem for p in (CONF / "parallel").glob("*.yaml") if p.stem != "auto")
 HARDWARE = sorted(p.stem for p in (CONF / "hardware").glob("*.yaml") if p.stem != "auto")
@@ -176,7 +175,7 @@ def test_validation_rule_message_and_exit_code(overrides, message, tmp_path):
 
 
 def test_tokenizer_larger_than_model_vocab_is_rejected(tmp_path):
-    tokenizer = ROOT / "assets" / "tokenizers" / "qwen3"
+    tokenizer = ASSETS / "tokenizers" / "qwen3"
     if not tokenizer.exists():
         pytest.skip("bundled Qwen3 tokenizer not built")
     code, _, err = launch(f"data.tokenizer={tokenizer}", tmp_path=tmp_path)

@@ -8,16 +8,16 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from speedllm.config import register_configs
-from speedllm.config.schema import ROOT
 from speedllm.data.datasets import BlendedDataset, GPTDataset, build_pretrain_dataset, split_range
 from speedllm.data.indexed import IndexedDataset, IndexedDatasetWriter
 from speedllm.data.loader import Loader, build_loader
 from speedllm.errors import UserError
+from speedllm.paths import ASSETS, CONF
 
 
 def config(*overrides):
     register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
         return compose("config", overrides=list(overrides))
 
 
@@ -149,7 +149,7 @@ def test_data_tokenized_for_a_larger_vocab_is_rejected(tmp_path):
 
     src = tmp_path / "in.jsonl"
     src.write_text('{"text": "' + "word " * 400 + '"}\n')
-    preprocess(str(src), str(tmp_path / "big"), str(ROOT / "assets" / "tokenizers" / "qwen3"), progress=False)
+    preprocess(str(src), str(tmp_path / "big"), str(ASSETS / "tokenizers" / "qwen3"), progress=False)
     cfg = config(f"data.path={tmp_path}/big", "data.split=[1,0,0]")
     with pytest.raises(UserError, match=r"big.bin \(see big.json\): 151669 token ids"):
         build_loader(cfg, "train", 0, 1, 1, 16, 0)

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from speedllm.config.schema import ASSETS
 from speedllm.data.sft import (
     IGNORE, SFTDataset, SFTSamples, encode_conversation, has_generation_markers, load_sft_samples, make_row,
     to_messages,
 )
 from speedllm.errors import UserError
+from speedllm.paths import ASSETS
 
 CONV = [
     {"role": "system", "content": "You add numbers."},

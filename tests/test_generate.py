@@ -19,12 +19,13 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from speedllm.config.schema import ASSETS, ROOT, GenerateConfig, ModelConfig
+from speedllm.config.schema import GenerateConfig, ModelConfig
 from speedllm.data.tokenizer import load_tokenizer
 from speedllm.infer.engine import StopStrings, TextStream, generate_ids
 from speedllm.infer.sampling import Sampling, process_logits
 from speedllm.models import Qwen3
 from speedllm.models.hf_adapter import from_hf_state_dict, hf_config
+from speedllm.paths import ASSETS, ROOT
 
 VOCAB = 96
 DEMO_TOKENIZER = ASSETS / "tokenizers" / "demo"

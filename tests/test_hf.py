@@ -20,11 +20,12 @@ from safetensors.torch import load_file, save_file
 
 from speedllm.checkpoint.hf import export_model, hf_model_fields, load_hf_weights, parse_size
 from speedllm.config import register_configs
-from speedllm.config.schema import ROOT, ModelConfig
+from speedllm.config.schema import ModelConfig
 from speedllm.errors import UserError
 from speedllm.models.qwen3 import Qwen3
+from speedllm.paths import ASSETS, CONF, ROOT
 
-DEMO_TOKENIZER = ROOT / "assets" / "tokenizers" / "demo"
+DEMO_TOKENIZER = ASSETS / "tokenizers" / "demo"
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6)
 KINDS = {
@@ -166,7 +167,7 @@ def test_convert_hf_to_dcp_to_hf_through_the_launcher(tmp_path):
 
 def composed(*overrides):
     register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
         return compose("config", overrides=list(overrides))
 
 

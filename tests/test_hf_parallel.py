@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from speedllm.paths import ROOT
 from omegaconf import OmegaConf
 
-from speedllm.config.schema import ROOT
 from test_hf import save_hf
 
 RUN = ["task=pretrain", "model=hf", "hardware=cpu", "train.steps=1", "train.seq_len=32", "train.micro_batch_size=2",

@@ -2,7 +2,6 @@
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +12,8 @@ from transformers import AutoModelForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCaus
 from speedllm.config.schema import ModelConfig
 from speedllm.models import KVCache, Qwen3, num_params
 from speedllm.models.hf_adapter import from_hf_state_dict, hf_config, model_config_from_hf, to_hf_state_dict
+from speedllm.paths import CONF
 
-ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 96
 
 
@@ -156,7 +155,7 @@ def test_meta_init_matches_direct_init():
 
 def model_sizes():
     """conf/model files that fix a size (model=hf takes every field from a checkpoint's config.json instead)."""
-    paths = sorted((ROOT / "conf" / "model").glob("*.yaml"))
+    paths = sorted((CONF / "model").glob("*.yaml"))
     return [p for p in paths if not OmegaConf.is_interpolation(OmegaConf.load(p), "hidden_size")]
 
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from speedllm.paths import ROOT
 from omegaconf import OmegaConf
 
-from speedllm.config.schema import ROOT
 
 DENSE = ["model=qwen3_tiny", "model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=4",
          "model.head_dim=16"]

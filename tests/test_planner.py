@@ -11,9 +11,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from speedllm.config import register_configs
-from speedllm.config.schema import ROOT, ModelConfig
+from speedllm.config.schema import ModelConfig
 from speedllm.config.validate import validate
 from speedllm.hardware import load_profile
+from speedllm.paths import CONF, ROOT
 from speedllm.planner import choose_layout
 from speedllm.planner.layout import Layout, layout_from_config, stage_layers
 from speedllm.planner.measure import measure_training_step
@@ -24,12 +25,12 @@ from speedllm.planner.search import Planner, Problem, problem_from_config
 
 def composed(*overrides):
     register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
         return compose("config", overrides=list(overrides))
 
 
 def model_config(name):
-    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml"),
+    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(CONF / "model" / f"{name}.yaml"),
                            {"tokenizer": "unused"})
 
 

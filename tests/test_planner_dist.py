@@ -10,8 +10,9 @@ equal the first four exactly and the peak within 15%.
 
 import pytest
 
+from speedllm.config import compose_config
 from speedllm.planner.layout import layout_from_config
-from speedllm.planner.measure import compose_config, measure_layout
+from speedllm.planner.measure import measure_layout
 from speedllm.planner.memory import rank_params
 from speedllm.planner.search import Planner, problem_from_config
 

@@ -19,8 +19,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from speedllm.checkpoint.dcp import latest_checkpoint, load_checkpoint
 from speedllm.config import register_configs
-from speedllm.config.schema import ROOT
 from speedllm.errors import UserError
+from speedllm.paths import CONF, ROOT
 from speedllm.runtime import Runtime
 from speedllm.train.loop import build_model, run, train_step
 from speedllm.train.metrics import flops_per_token
@@ -36,7 +36,7 @@ TINY = ["model=qwen3_tiny", "model.hidden_size=64", "model.intermediate_size=128
 
 def config(run_dir: Path, *overrides):
     register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
         cfg = compose("config", overrides=[*TINY, f"run_dir={run_dir}", f"checkpoint.dir={run_dir}/checkpoints",
                                            *overrides])
     OmegaConf.resolve(cfg)

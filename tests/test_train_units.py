@@ -11,8 +11,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from speedllm.config import register_configs
-from speedllm.config.schema import ROOT
 from speedllm.errors import UserError
+from speedllm.paths import CONF
 from speedllm.train.faults import BadSteps
 from speedllm.train.metrics import MetricsLogger, flops_per_token, matmul_params_per_token, mfu
 from speedllm.train.optimizer import build_optimizer
@@ -21,7 +21,7 @@ from speedllm.train.schedule import build_scheduler, lr_factor
 
 def composed(*overrides):
     register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
         return compose("config", overrides=list(overrides))
 
 

@@ -21,7 +21,7 @@ from typing import Dict
 import numpy as np
 import torch
 
-from speedllm.config.schema import ASSETS
+from speedllm.paths import ASSETS
 from speedllm.data.datasets import build_pretrain_dataset, parse_data_path
 from speedllm.data.indexed import exists
 from speedllm.data.tokenizer import load_tokenizer, tokenizer_vocab_size
