@@ -180,8 +180,9 @@ def test_tokenizer_larger_than_model_vocab_is_rejected(tmp_path):
         pytest.skip("bundled Qwen3 tokenizer not built")
     code, _, err = launch(f"data.tokenizer={tokenizer}", tmp_path=tmp_path)
     assert code == 2
-    assert err.strip() == (f"error: data.tokenizer={tokenizer} has 151669 tokens but model qwen3_tiny has "
-                           "vocab_size=8192; use the model's tokenizer or a model with a larger vocab")
+    assert err.strip() == (f"error: data.tokenizer={tokenizer} has 151669 token ids but model qwen3_tiny has "
+                           "vocab_size=8192; use the model's tokenizer (and data tokenized with it) or a model with "
+                           "a larger vocabulary")
 
 
 @pytest.mark.parametrize("overrides,hydra_says", [

@@ -132,7 +132,7 @@ def test_unpacked_sft_has_no_document_fields():
 
 def test_tokenizer_larger_than_embedding_is_rejected():
     cfg = config("data.tokenizer=${asset:tokenizers/qwen3}")
-    with pytest.raises(UserError, match="151669 token ids but model.vocab_size=8192"):
+    with pytest.raises(UserError, match="has 151669 token ids but model qwen3_tiny has vocab_size=8192; "):
         build_loader(cfg, "train", 0, 1, 1, 16, 0)
 
 
@@ -151,7 +151,7 @@ def test_data_tokenized_for_a_larger_vocab_is_rejected(tmp_path):
     src.write_text('{"text": "' + "word " * 400 + '"}\n')
     preprocess(str(src), str(tmp_path / "big"), str(ASSETS / "tokenizers" / "qwen3"), progress=False)
     cfg = config(f"data.path={tmp_path}/big", "data.split=[1,0,0]")
-    with pytest.raises(UserError, match=r"big.bin \(see big.json\): 151669 token ids"):
+    with pytest.raises(UserError, match=r"big.bin \(see big.json\) has 151669 token ids but model qwen3_tiny has "):
         build_loader(cfg, "train", 0, 1, 1, 16, 0)
 
 

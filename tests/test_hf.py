@@ -66,8 +66,7 @@ def our_model(path: Path) -> Qwen3:
     with torch.device("meta"):
         model = Qwen3(cfg)
     model.to_empty(device="cpu")
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    model.tie_embeddings()
     load_hf_weights(model, str(path))
     return model.eval()
 

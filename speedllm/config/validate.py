@@ -6,6 +6,7 @@ rejected unknown keys and wrong types; what is left are rules that span several 
 
 import os
 from glob import glob
+from typing import List
 
 from omegaconf import DictConfig
 
@@ -38,8 +39,13 @@ def _get(cfg: DictConfig, dotted: str):
     return node
 
 
-def _divisors(n: int) -> str:
-    return "{" + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
+def divisors(n: int) -> List[int]:
+    """The divisors of n, ascending: the degrees a layout may take over n heads, layers or experts."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _as_set(values) -> str:
+    return "{" + ", ".join(str(v) for v in values) + "}"
 
 
 def check_choices(cfg: DictConfig) -> None:
@@ -58,7 +64,7 @@ def check_parallel(cfg: DictConfig) -> None:
         heads = m[heads_key]
         if heads % p.tp:
             raise UserError(f"parallel.tp={p.tp} does not divide {heads_key}={heads} of model {name}; "
-                            f"use tp in {_divisors(m.num_key_value_heads)}")
+                            f"use tp in {_as_set(divisors(m.num_key_value_heads))}")
     stages = p.pp * p.vpp
     if p.pp_layers is not None:
         if len(p.pp_layers) != stages or sum(p.pp_layers) != m.num_hidden_layers or min(p.pp_layers) < 1:
@@ -67,7 +73,7 @@ def check_parallel(cfg: DictConfig) -> None:
     elif m.num_hidden_layers % stages:
         raise UserError(f"model.num_hidden_layers={m.num_hidden_layers} of model {name} cannot be split evenly over "
                         f"parallel.pp={p.pp} x parallel.vpp={p.vpp} = {stages} stages; use pp*vpp in "
-                        f"{_divisors(m.num_hidden_layers)} or list the layers per stage in parallel.pp_layers")
+                        f"{_as_set(divisors(m.num_hidden_layers))} or list the layers per stage in parallel.pp_layers")
     if p.vpp > 1 and p.pp_schedule not in INTERLEAVED:
         raise UserError(f"parallel.vpp={p.vpp} needs an interleaved schedule; set parallel.pp_schedule to one of "
                         f"{', '.join(INTERLEAVED)} (or vpp=1)")
@@ -76,7 +82,7 @@ def check_parallel(cfg: DictConfig) -> None:
             raise UserError(f"parallel.ep={p.ep} needs a MoE model but {name} is dense; set parallel.ep=1")
         if m.num_experts % p.ep:
             raise UserError(f"parallel.ep={p.ep} does not divide num_experts={m.num_experts} of model {name}; "
-                            f"use ep in {_divisors(m.num_experts)}")
+                            f"use ep in {_as_set(divisors(m.num_experts))}")
         if (p.dp * p.cp) % p.ep:
             raise UserError(f"parallel.ep={p.ep} must divide parallel.dp x parallel.cp = {p.dp * p.cp} "
                             f"(experts are spread over the data/context ranks); raise dp or lower ep")
@@ -162,15 +168,6 @@ def check_paths(cfg: DictConfig) -> None:
             raise UserError(f"task=convert convert.to={cfg.convert.to} needs {need}")
 
 
-def check_tokenizer(cfg: DictConfig) -> None:
-    from speedllm.data.tokenizer import tokenizer_vocab_size
-
-    size = tokenizer_vocab_size(cfg.data.tokenizer)
-    if size > cfg.model.vocab_size:
-        raise UserError(f"data.tokenizer={cfg.data.tokenizer} has {size} tokens but model {cfg.model.name} has "
-                        f"vocab_size={cfg.model.vocab_size}; use the model's tokenizer or a model with a larger vocab")
-
-
 def check_hf_model(cfg: DictConfig) -> None:
     """model=hf needs checkpoint.load_hf; any other model= must agree with the config.json it loads.
 
@@ -206,4 +203,6 @@ def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
         if cfg.task.name not in IN_PROCESS_TASKS:
             check_device(cfg, nproc_per_node)
         if cfg.task.name not in ("doctor", "convert", "preprocess"):  # preprocess uses no model
-            check_tokenizer(cfg)
+            from speedllm.data.loader import check_vocab
+
+            check_vocab(cfg)

@@ -85,8 +85,7 @@ def load_model(cfg: DictConfig, rt: Runtime) -> nn.Module:
         # No sequence parallel: a decode step has one token per row, nothing to split along the sequence.
         apply_tp(model, rt.mesh["tp"], sequence_parallel=False)
     model.to_empty(device=rt.device)
-    if cfg.model.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight  # to_empty() unties shared weights
+    model.tie_embeddings()  # to_empty() unties shared weights
     load_weights(model, cfg)
     return model.eval()
 

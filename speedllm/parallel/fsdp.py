@@ -11,12 +11,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from speedllm.hardware import DTYPES
 from speedllm.parallel.mesh import data_mesh
 
 
 def mixed_precision(cfg: DictConfig) -> MixedPrecisionPolicy:
     """The hardware profile's compute dtype for parameters, fp32 for gradient reductions (and master weights)."""
-    return MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.hardware.dtype), reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=DTYPES[cfg.hardware.dtype], reduce_dtype=torch.float32)
 
 
 def fsdp_mesh(cfg: DictConfig, mesh: DeviceMesh) -> DeviceMesh:

@@ -120,12 +120,12 @@ def materialize(model: nn.Module, cfg: DictConfig, rt) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     from speedllm.parallel.tensor import shard_embedding_grad
-    from speedllm.parallel.weights import init_from_rank0, tie_embeddings
+    from speedllm.parallel.weights import init_from_rank0
 
     parts = model_parts(model)
     for part in parts:
         part.to_empty(device=rt.device)
-        tie_embeddings(part)
+        part.tie_embeddings()
         if rt.mesh is not None and cfg.parallel.tp > 1 and not isinstance(part, FSDPModule):  # FSDP: its own
             shard_embedding_grad(part)
     if getattr(model, "pipeline", None) is not None:

@@ -24,8 +24,9 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from torch.distributed.tensor import DTensor, Shard
 
 from speedllm.errors import UserError
+from speedllm.hardware import DTYPES
 
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+V_SCHEDULES = ("ZBVZeroBubble",)
 
 
 def layers_per_stage(num_layers: int, num_stages: int, explicit: Optional[List[int]]) -> List[List[int]]:
@@ -215,7 +216,7 @@ def _losses_as_vectors(module, args, output):
     return tuple(t.reshape(1) for t in output) if isinstance(output, tuple) else output
 
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPES = tuple(DTYPES.values())  # a dtype travels in the header as its index here
 
 
 def _send(t: torch.Tensor, dst: Optional[int], group, broadcast: bool = False) -> None:

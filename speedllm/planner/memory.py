@@ -24,9 +24,9 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from speedllm.hardware import DTYPES
 from speedllm.planner.layout import Layout, rank_stages
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MASTER_BYTES = 4  # fp32 master weights and fp32 gradient reduction (the mixed-precision policy)
 ADAM_BYTES = 8  # AdamW: exp_avg and exp_avg_sq in the parameter's dtype (fp32)
 GIB = 2**30
@@ -334,7 +334,7 @@ def rank_memory(m, layout: Layout, sp: StageParams, pp_rank: int, seq_len: int,
         tp_dims: whether the TP plan splits (the MLP width, the experts' width, the vocabulary), see tp_facts.
         device: the profile's device type; on cpu the loss keeps its logits buffer through the step (`kept`).
     """
-    e = DTYPE_BYTES[dtype]
+    e = DTYPES[dtype].itemsize
     num_micro = global_batch // (layout.micro_batch * layout.dp)
     mem = Memory(pp_rank=pp_rank)
     mem.params = sp.sharded * MASTER_BYTES

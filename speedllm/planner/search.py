@@ -14,8 +14,10 @@ from typing import Dict, List, Optional
 
 from omegaconf import OmegaConf
 
+from speedllm.config.validate import divisors
+from speedllm.hardware import DTYPES
 from speedllm.planner.layout import Layout, stage_layers
-from speedllm.planner.memory import (DTYPE_BYTES, GIB, Memory, layer_activation_bytes, model_tensors, rank_memory,
+from speedllm.planner.memory import (GIB, Memory, layer_activation_bytes, model_tensors, rank_memory,
                                      rank_params, tp_facts)
 from speedllm.planner.timing import StepTime, step_time
 from speedllm.train.metrics import flops_per_token
@@ -67,10 +69,6 @@ class SearchResult:
         return self.fitting[0] if self.fitting else None
 
 
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 class Planner:
     """Costs layouts of one Problem; per-rank parameter counts are cached by placement."""
 
@@ -106,7 +104,7 @@ class Planner:
         busiest = max(stages, key=lambda sp: sp.gathered)
         selective = 0.0
         if layout.recompute == "selective":
-            e = DTYPE_BYTES[p.hardware.dtype]
+            e = DTYPES[p.hardware.dtype].itemsize
             kept = Layout(**{**layout.__dict__, "recompute": "none"})
             moe = m.num_experts > 0
             ops = p.hardware.ops
@@ -152,11 +150,11 @@ class Planner:
     def layouts(self):
         """Every combination of degrees whose product is the device count."""
         m, world = self.p.model, self.p.world
-        experts = _divisors(m.num_experts) if m.num_experts else [1]
-        cps = [c for c in _divisors(world) if c <= 8 and (c == 1 or self.p.seq_len >= 8192)]
-        for tp in _divisors(world):
+        experts = divisors(m.num_experts) if m.num_experts else [1]
+        cps = [c for c in divisors(world) if c <= 8 and (c == 1 or self.p.seq_len >= 8192)]
+        for tp in divisors(world):
             for cp in [c for c in cps if (world // tp) % c == 0]:
-                for pp in _divisors(world // (tp * cp)):
+                for pp in divisors(world // (tp * cp)):
                     dp = world // (tp * cp * pp)
                     for vpp in VIRTUAL_STAGES if pp > 1 else (1,):
                         schedule = "Interleaved1F1B" if vpp > 1 else "1F1B"
@@ -171,9 +169,9 @@ class Planner:
         schedule) whose weights in the compute dtype and KV cache for `batch` sequences of seq_len +
         `new_tokens` fit; the remaining devices replicate it (dp)."""
         m, p = self.p.model, self.p
-        e = DTYPE_BYTES[p.hardware.dtype]
+        e = DTYPES[p.hardware.dtype].itemsize
         length = p.seq_len + new_tokens
-        options = sorted((tp * pp, pp, tp) for tp in _divisors(p.world) for pp in _divisors(p.world // tp))
+        options = sorted((tp * pp, pp, tp) for tp in divisors(p.world) for pp in divisors(p.world // tp))
         for _, pp, tp in options:
             layout = Layout(dp=p.world // (tp * pp), tp=tp, pp=pp, micro_batch=batch, fsdp=False)
             if (m.num_attention_heads % tp or m.num_key_value_heads % tp or tp > p.hardware.devices_per_node

@@ -17,11 +17,7 @@ from typing import Dict
 import torch
 from omegaconf import DictConfig
 
-
-def is_moe_layer(model: DictConfig, layer: int) -> bool:
-    """transformers' rule for which decoder layers of Qwen3-MoE use experts."""
-    return (model.num_experts > 0 and layer not in model.mlp_only_layers
-            and (layer + 1) % model.decoder_sparse_step == 0)
+from speedllm.models.qwen3 import is_moe_layer
 
 
 def matmul_params_per_token(model: DictConfig) -> int:
