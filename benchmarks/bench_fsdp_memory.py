@@ -30,12 +30,12 @@ def config(args, ranks: int):
 
     from speedllm.config import compose_config
 
-    cfg = compose_config([
+    cfg = compose_config(
         "model=qwen3_tiny", f"model.hidden_size={args.hidden}", f"model.intermediate_size={3 * args.hidden}",
         f"model.num_hidden_layers={args.layers}", "model.num_attention_heads=8", "model.num_key_value_heads=4",
         "model.head_dim=64", "hardware=cpu", f"parallel.dp={ranks}", f"train.seq_len={args.seq_len}",
         f"train.micro_batch_size={args.batch}", f"train.global_batch_size={args.batch * ranks}",
-        "run_dir=/tmp/bench_fsdp_memory"])
+        "run_dir=/tmp/bench_fsdp_memory")
     OmegaConf.resolve(cfg)
     return cfg
 

@@ -56,7 +56,7 @@ def measured_table() -> None:
     print("|---|---|---|---|---|---|---|")
     for model, parallel, world in MEASURED:
         overrides = [f"model={model}", f"parallel={parallel}", *COMMON]
-        cfg = compose_config(overrides)
+        cfg = compose_config(*overrides)
         cfg.parallel.dp = world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
         with tempfile.TemporaryDirectory() as out:
             if world == 1:

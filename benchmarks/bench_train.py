@@ -42,7 +42,7 @@ def ours(args) -> dict:
         "train.log_every=1", "train.eval_every=0", "checkpoint.save_final=false",
         "logging.tensorboard=false", "logging.progress_bar=false", "generate.num_samples=0",
         f"run_dir={run_dir}", f"checkpoint.dir={run_dir}/checkpoints"]
-    cfg = compose_config(overrides)
+    cfg = compose_config(*overrides)
     OmegaConf.resolve(cfg)
     run(cfg, Runtime())
     records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

@@ -13,6 +13,8 @@ from speedllm.errors import UserError
 from speedllm.ops import IGNORE_INDEX
 from speedllm.paths import ASSETS
 
+pytestmark = pytest.mark.unit
+
 CONV = [
     {"role": "system", "content": "You add numbers."},
     {"role": "user", "content": "What is 2 + 3?"},

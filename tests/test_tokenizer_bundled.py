@@ -9,6 +9,8 @@ from speedllm.data.tokenizer import load_tokenizer, tokenizer_vocab_size
 from speedllm.errors import UserError
 from speedllm.paths import ASSETS
 
+pytestmark = pytest.mark.unit
+
 QWEN = ASSETS / "tokenizers" / "qwen3"
 DEMO = ASSETS / "tokenizers" / "demo"
 QWEN_PATTERN = (

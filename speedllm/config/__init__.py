@@ -24,7 +24,7 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="run_schema", node=RunConfig)
 
 
-def compose_config(overrides) -> DictConfig:
+def compose_config(*overrides: str) -> DictConfig:
     """The run config `speedllm <overrides>` would compose (no launch, no validation)."""
     from hydra import compose, initialize_config_dir
 

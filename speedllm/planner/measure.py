@@ -156,7 +156,7 @@ def _rank_main(rank: int, world: int, port: int, overrides: list, out: str) -> N
     from speedllm.config import compose_config
     from speedllm.runtime import init_runtime
 
-    cfg = compose_config(overrides)
+    cfg = compose_config(*overrides)
     p = cfg.parallel
     p.dp = world // (p.tp * p.pp * p.cp)
     cfg.run_dir = out
