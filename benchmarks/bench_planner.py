@@ -11,14 +11,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from speedllm.config import compose_config  # noqa: E402
-from speedllm.config.schema import ModelConfig  # noqa: E402
 from speedllm.hardware import load_profile  # noqa: E402
-from speedllm.paths import CONF  # noqa: E402
 from speedllm.planner.layout import layout_from_config  # noqa: E402
 from speedllm.planner.measure import measure_layout, measure_training_step  # noqa: E402
 from speedllm.planner.memory import GIB, rank_params  # noqa: E402
@@ -31,18 +27,13 @@ COMMON = ["hardware=cpu", "train.seq_len=128", "train.micro_batch_size=2", "trai
           "train.loss_chunk_size=256"]
 
 
-def model_config(name):
-    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(CONF / "model" / f"{name}.yaml"),
-                           {"tokenizer": "unused"})
-
-
 def mindspeed_table() -> None:
     print("| model | devices | MindSpeed layout (recompute) | GiB/dev | est. tokens/s | planner's choice | GiB/dev | "
           "est. tokens/s | search s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, world, hw_name, degrees, micro, global_batch, recompute in PUBLISHED:
         start = time.perf_counter()
-        planner = Planner(Problem(model_config(name), load_profile(hw_name), world, 4096, global_batch))
+        planner = Planner(Problem(compose_config(f"model={name}").model, load_profile(hw_name), world, 4096, global_batch))
         theirs = published_estimate(planner, world, degrees, micro, recompute)
         best = planner.search().best
         seconds = time.perf_counter() - start  # meta model build + search

@@ -20,9 +20,9 @@ def test_evaluate_matches_transformers_loss(tmp_path, save_tiny_hf, launch):
     tok = load_tokenizer(str(DEMO_TOKENIZER))
     hf = save_tiny_hf(tmp_path / "hf", vocab_size=len(tok), max_position_embeddings=512, rope_theta=1e6)
 
-    code, _, err = launch(tmp_path / "run", "hardware=cpu", "task=evaluate", "model=hf",
-                          f"checkpoint.load_hf={tmp_path}/hf", "data=demo", "evaluate.split=valid", "evaluate.steps=3",
-                          "train.micro_batch_size=2", "train.seq_len=64", cwd=tmp_path)
+    code, out, err = launch(tmp_path / "run", "hardware=cpu", "task=evaluate", "model=hf",
+                            f"checkpoint.load_hf={tmp_path}/hf", "data=demo", "evaluate.split=valid",
+                            "evaluate.steps=3", "train.micro_batch_size=2", "train.seq_len=64", cwd=tmp_path)
     assert code == 0, err
     result = json.loads((tmp_path / "run" / "eval.json").read_text())
 
@@ -39,4 +39,4 @@ def test_evaluate_matches_transformers_loss(tmp_path, save_tiny_hf, launch):
     assert abs(result["loss"] - ce / count) <= 1e-5
     assert math.isclose(result["perplexity"], math.exp(ce / count), rel_tol=1e-5)
     assert result["tokens_per_s"] > 0
-    assert f"perplexity {result['perplexity']:.2f}" in proc.stdout
+    assert f"perplexity {result['perplexity']:.2f}" in out

@@ -8,10 +8,8 @@ import torch
 from omegaconf import OmegaConf
 
 from speedllm.config import compose_config
-from speedllm.config.schema import ModelConfig
 from speedllm.config.validate import validate
 from speedllm.hardware import load_profile
-from speedllm.paths import CONF
 from speedllm.planner import choose_layout
 from speedllm.planner.layout import Layout, layout_from_config, stage_layers
 from speedllm.planner.measure import measure_training_step
@@ -22,16 +20,11 @@ from speedllm.planner.search import Planner, Problem, problem_from_config
 pytestmark = pytest.mark.unit
 
 
-def model_config(name):
-    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(CONF / "model" / f"{name}.yaml"),
-                           {"tokenizer": "unused"})
-
-
 @pytest.mark.parametrize("name", ["qwen3_tiny", "qwen3_moe_tiny", "qwen3_8b"])
 def test_single_rank_parameter_count_is_the_models(name):
     from speedllm.models.qwen3 import Qwen3, num_params
 
-    cfg = model_config(name)
+    cfg = compose_config(f"model={name}").model
     with torch.device("meta"):
         expected = num_params(Qwen3(cfg))
     planner = Planner(Problem(cfg, load_profile("cpu"), 1, 128, 1))
@@ -68,7 +61,7 @@ def test_predicted_peak_within_15_percent_of_measured_single_process(overrides, 
 @pytest.mark.parametrize("name,world,hw_name,degrees,micro,global_batch,recompute", PUBLISHED)
 def test_mindspeed_layouts_fit_and_ours_is_at_least_as_fast(name, world, hw_name, degrees, micro, global_batch,
                                                             recompute):
-    planner = Planner(Problem(model_config(name), load_profile(hw_name), world, 4096, global_batch))
+    planner = Planner(Problem(compose_config(f"model={name}").model, load_profile(hw_name), world, 4096, global_batch))
     theirs = published_estimate(planner, world, degrees, micro, recompute)
     assert planner.invalid_reason(published_layout(world, degrees, micro)) in (
         None, "MoE models run with tp=1 and pp=1 (experts use ep)")
