@@ -3,7 +3,7 @@
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from speedllm.config.schema import RunConfig
+from speedllm.config.schema import OPTIMIZERS, RunConfig
 from speedllm.paths import ASSETS, CONF
 
 
@@ -21,7 +21,10 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver("asset", lambda rel: str(ASSETS / rel))
     if not OmegaConf.has_resolver("hf_model"):
         OmegaConf.register_new_resolver("hf_model", _hf_model, use_cache=True)
-    ConfigStore.instance().store(name="run_schema", node=RunConfig)
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    for schema in OPTIMIZERS.values():
+        cs.store(group="optim", name=f"{schema.name}_schema", node=schema)
 
 
 def compose_config(*overrides: str) -> DictConfig:

@@ -22,9 +22,9 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor, Shard
 
+from speedllm.config.rules import V_SCHEDULES
 from speedllm.hardware import DTYPES
 
-V_SCHEDULES = ("ZBVZeroBubble",)
 
 
 def layers_per_stage(num_layers: int, num_stages: int, explicit: Optional[List[int]]) -> List[List[int]]:
