@@ -190,15 +190,16 @@ def test_elastic_restart_resumes_after_a_rank_is_killed(tmp_path, launch, launch
     assert max(losses) == steps
 
 
-@pytest.mark.parametrize("optim,target", [("sgd", "torch.optim.SGD"), ("adafactor", "torch.optim.Adafactor")])
-def test_other_optimizers_train_from_the_command_line_and_resume_only_with_themselves(optim, target, tmp_path,
+@pytest.mark.parametrize("optim,target,lr", [("sgd", "torch.optim.SGD", 0.5),
+                                             ("adafactor", "torch.optim.Adafactor", 0.05)])
+def test_other_optimizers_train_from_the_command_line_and_resume_only_with_themselves(optim, target, lr, tmp_path,
                                                                                      launch):
-    code, _, err = launch(tmp_path, *TINY, f"optim={optim}", "train.steps=8", "optim.warmup_steps=0",
-                          "optim.schedule=constant")
+    code, _, err = launch(tmp_path, *TINY, f"optim={optim}", f"optim.lr={lr}", "train.steps=8",
+                          "optim.warmup_steps=0", "optim.schedule=constant")
     assert code == 0, err
     assert OmegaConf.load(tmp_path / "config.yaml").optim._target_ == target
     losses = [r["loss"] for r in metrics(tmp_path)]
-    assert len(losses) == 8 and losses[-1] < losses[0] - 0.1
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.2  # it learns
     code, _, err = launch(tmp_path, *TINY, "optim=adamw", "train.steps=10", "checkpoint.load=auto")
     assert code == 2
     assert err.strip().splitlines()[-1] == (
