@@ -1,38 +1,10 @@
-"""SpeedLLM's entry point: compose the config, validate it, freeze it, run it or spawn its ranks.
+"""`python launch.py <overrides>` from a checkout: the same as the `speedllm` console script (speedllm/cli.py).
 
     python launch.py model=qwen3_0.6b parallel=tp8
     python launch.py -m model=qwen3_tiny optim.lr=1e-4,3e-4
 """
 
-import sys
-
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from omegaconf import DictConfig
-
-from speedllm.config import register_configs
-
-register_configs()
-failed_points: list[str] = []
-
-
-@hydra.main(config_path="conf", config_name="config", version_base=None)
-def main(cfg: DictConfig) -> None:
-    from speedllm.launcher import launch
-
-    status = launch(cfg)
-    if status == 0:
-        return
-    hc = HydraConfig.get()
-    if hc.mode != RunMode.MULTIRUN:
-        sys.exit(status)
-    # A sweep goes on past a failed point; the launcher's exit status reports it at the end.
-    failed_points.append(f"#{hc.job.num} ({' '.join(hc.overrides.task)})")
-
+from speedllm.cli import main
 
 if __name__ == "__main__":
     main()
-    if failed_points:
-        print(f"error: {len(failed_points)} sweep point(s) failed: {', '.join(failed_points)}", file=sys.stderr)
-        sys.exit(1)

@@ -26,19 +26,16 @@ MiB = 2**20
 
 
 def config(args, ranks: int):
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from speedllm.config import register_configs
+    from speedllm.config import compose_config
 
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose("config", overrides=[
-            "model=qwen3_tiny", f"model.hidden_size={args.hidden}", f"model.intermediate_size={3 * args.hidden}",
-            f"model.num_hidden_layers={args.layers}", "model.num_attention_heads=8", "model.num_key_value_heads=4",
-            "model.head_dim=64", "hardware=cpu", f"parallel.dp={ranks}", f"train.seq_len={args.seq_len}",
-            f"train.micro_batch_size={args.batch}", f"train.global_batch_size={args.batch * ranks}",
-            "run_dir=/tmp/bench_fsdp_memory"])
+    cfg = compose_config(
+        "model=qwen3_tiny", f"model.hidden_size={args.hidden}", f"model.intermediate_size={3 * args.hidden}",
+        f"model.num_hidden_layers={args.layers}", "model.num_attention_heads=8", "model.num_key_value_heads=4",
+        "model.head_dim=64", "hardware=cpu", f"parallel.dp={ranks}", f"train.seq_len={args.seq_len}",
+        f"train.micro_batch_size={args.batch}", f"train.global_batch_size={args.batch * ranks}",
+        "run_dir=/tmp/bench_fsdp_memory")
     OmegaConf.resolve(cfg)
     return cfg
 

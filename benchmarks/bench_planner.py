@@ -11,14 +11,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from speedllm.config.schema import ROOT, ModelConfig  # noqa: E402
+from speedllm.config import compose_config  # noqa: E402
 from speedllm.hardware import load_profile  # noqa: E402
 from speedllm.planner.layout import layout_from_config  # noqa: E402
-from speedllm.planner.measure import compose_config, measure_layout, measure_training_step  # noqa: E402
+from speedllm.planner.measure import measure_layout, measure_training_step  # noqa: E402
 from speedllm.planner.memory import GIB, rank_params  # noqa: E402
 from speedllm.planner.mindspeed import PUBLISHED, published_estimate  # noqa: E402
 from speedllm.planner.search import Planner, Problem, problem_from_config  # noqa: E402
@@ -29,18 +27,13 @@ COMMON = ["hardware=cpu", "train.seq_len=128", "train.micro_batch_size=2", "trai
           "train.loss_chunk_size=256"]
 
 
-def model_config(name):
-    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml"),
-                           {"tokenizer": "unused"})
-
-
 def mindspeed_table() -> None:
     print("| model | devices | MindSpeed layout (recompute) | GiB/dev | est. tokens/s | planner's choice | GiB/dev | "
           "est. tokens/s | search s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, world, hw_name, degrees, micro, global_batch, recompute in PUBLISHED:
         start = time.perf_counter()
-        planner = Planner(Problem(model_config(name), load_profile(hw_name), world, 4096, global_batch))
+        planner = Planner(Problem(compose_config(f"model={name}").model, load_profile(hw_name), world, 4096, global_batch))
         theirs = published_estimate(planner, world, degrees, micro, recompute)
         best = planner.search().best
         seconds = time.perf_counter() - start  # meta model build + search
@@ -54,7 +47,7 @@ def measured_table() -> None:
     print("|---|---|---|---|---|---|---|")
     for model, parallel, world in MEASURED:
         overrides = [f"model={model}", f"parallel={parallel}", *COMMON]
-        cfg = compose_config(overrides)
+        cfg = compose_config(*overrides)
         cfg.parallel.dp = world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
         with tempfile.TemporaryDirectory() as out:
             if world == 1:

@@ -10,8 +10,8 @@ import argparse
 import tempfile
 import time
 
-from speedllm.config.schema import ASSETS
 from speedllm.data.preprocess import preprocess
+from speedllm.paths import ASSETS
 
 
 def main() -> None:

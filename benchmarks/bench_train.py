@@ -21,17 +21,16 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-ROOT = Path(__file__).resolve().parents[1]
+from speedllm.paths import CONF
+
 # qwen3_tiny's layers, read from its config so this benchmark follows it
-_TINY = OmegaConf.load(ROOT / "conf/model/qwen3_tiny.yaml")
+_TINY = OmegaConf.load(CONF / "model" / "qwen3_tiny.yaml")
 DIMS = {k: _TINY[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                               "num_key_value_heads", "head_dim")}
 
 
 def ours(args) -> dict:
-    from hydra import compose, initialize_config_dir
-
-    from speedllm.config import register_configs
+    from speedllm.config import compose_config
     from speedllm.runtime import Runtime
     from speedllm.train.loop import run
 
@@ -43,9 +42,7 @@ def ours(args) -> dict:
         "train.log_every=1", "train.eval_every=0", "checkpoint.save_final=false",
         "logging.tensorboard=false", "logging.progress_bar=false", "generate.num_samples=0",
         f"run_dir={run_dir}", f"checkpoint.dir={run_dir}/checkpoints"]
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose("config", overrides=overrides)
+    cfg = compose_config(*overrides)
     OmegaConf.resolve(cfg)
     run(cfg, Runtime())
     records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

@@ -5,7 +5,8 @@ import importlib.util
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from speedllm.config.schema import ROOT, HardwareConfig
+from speedllm.config.schema import HardwareConfig
+from speedllm.paths import CONF
 
 # hardware.dtype (and convert.dtype) names
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -32,4 +33,4 @@ def detect() -> str:
 
 def load_profile(name: str) -> DictConfig:
     """A profile from conf/hardware/<name>.yaml, typed by the schema."""
-    return OmegaConf.merge(OmegaConf.structured(HardwareConfig), OmegaConf.load(ROOT / "conf" / "hardware" / f"{name}.yaml"))
+    return OmegaConf.merge(OmegaConf.structured(HardwareConfig), OmegaConf.load(CONF / "hardware" / f"{name}.yaml"))

@@ -1,7 +1,8 @@
 """Freeze a composed config and run it: in this process, or as N ranks through PyTorch's elastic launcher.
 
-`launch.py` (the only @hydra.main) hands the composed config to `launch()`. Spawned workers run
-`python -m speedllm.launcher <run_dir>/config.yaml`: they read the frozen config and never re-run Hydra.
+`speedllm.cli` (the only @hydra.main, behind `launch.py` and the `speedllm` command) hands the composed config
+to `launch()`. Spawned workers run `python -m speedllm.launcher <run_dir>/config.yaml`: they read the frozen
+config and never re-run Hydra.
 """
 
 import importlib
@@ -14,20 +15,16 @@ from pathlib import Path
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from speedllm.config.schema import register_configs, typed
+from speedllm.config import register_configs
+from speedllm.config.schema import typed
 from speedllm.config.validate import validate, validate_values
 from speedllm.console import console_log, discard_run_dir, guarded
 from speedllm.errors import UserError, one_line
 from speedllm.hardware import detect, load_profile
-from speedllm.runtime import Runtime, init_runtime
+from speedllm.runtime import Runtime, init_runtime, under_torchrun
 
 FROZEN_NAME = "config.yaml"
 KEEPS_NOTHING = ("plan", "doctor")  # tasks whose run directory is removed when they succeed
-
-
-def under_torchrun() -> bool:
-    """True when torchrun (or another elastic agent) started this process as one rank of a job."""
-    return "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def resolve_hardware(cfg: DictConfig) -> None:

@@ -32,6 +32,11 @@ class Runtime:
         return ParallelDims(self.mesh, self.ep)
 
 
+def under_torchrun() -> bool:
+    """True when torchrun (or another elastic agent) started this process as one rank of a job."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -84,4 +89,4 @@ def init_runtime(cfg: DictConfig, distributed: bool = True) -> Runtime:
                    ep=cfg.parallel.ep if mesh is not None else 1)
 
 
-__all__ = ["Runtime", "init_runtime", "seed_everything"]
+__all__ = ["Runtime", "init_runtime", "seed_everything", "under_torchrun"]

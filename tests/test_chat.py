@@ -4,18 +4,16 @@ reply equals transformers' greedy reply to the same chat-templated history."""
 import os
 import pty
 import select
-import shutil
 import subprocess
-import sys
 import time
 
+import pytest
 import torch
-from omegaconf import OmegaConf
-from transformers import Qwen3ForCausalLM
 
-from speedllm.config.schema import ASSETS, ROOT, ModelConfig
 from speedllm.data.tokenizer import load_tokenizer
-from speedllm.models.hf_adapter import hf_config
+from speedllm.paths import ASSETS
+
+pytestmark = pytest.mark.numerics
 
 DEMO_TOKENIZER = ASSETS / "tokenizers" / "demo"
 NEW_TOKENS = 8
@@ -57,21 +55,14 @@ def reference_reply(hf, tok, history, thinking=False):
     return tok.decode([t for t in out if t != tok.eos_token_id], skip_special_tokens=True)
 
 
-def test_chat_two_turns_then_exit(tmp_path):
+def test_chat_two_turns_then_exit(tmp_path, save_tiny_hf, launch_argv):
     tok = load_tokenizer(str(DEMO_TOKENIZER))
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), dict(
-        name="tiny", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        tie_word_embeddings=True))
-    torch.manual_seed(0)
-    hf = Qwen3ForCausalLM(hf_config(cfg)).eval()
-    hf.save_pretrained(tmp_path / "hf")
-    for f in DEMO_TOKENIZER.iterdir():
-        shutil.copy(f, tmp_path / "hf")
+    hf = save_tiny_hf(tmp_path / "hf", vocab_size=len(tok), max_position_embeddings=512, rope_theta=1e6,
+                      tie_word_embeddings=True)
 
-    term = Terminal([sys.executable, str(ROOT / "launch.py"), f"hydra.run.dir={tmp_path}/run", "hardware=cpu",
-                     "task=chat", "model=hf", f"checkpoint.load_hf={tmp_path}/hf",
-                     f"generate.max_new_tokens={NEW_TOKENS}"], cwd=tmp_path)
+    term = Terminal(launch_argv(tmp_path / "run", "hardware=cpu", "task=chat", "model=hf",
+                                f"checkpoint.load_hf={tmp_path}/hf", f"generate.max_new_tokens={NEW_TOKENS}"),
+                    cwd=tmp_path)
     assert "/reset" in term.read_until("you> ")
     history = []
     for line in ["Good morrow, sweet prince", "What news?", "/reset", "What news?"]:

@@ -13,6 +13,8 @@ from omegaconf import OmegaConf
 from speedllm.checkpoint.dcp import latest_checkpoint, load_checkpoint, resolve_load, save_checkpoint
 from speedllm.errors import UserError
 
+pytestmark = pytest.mark.unit
+
 
 def _model_and_optimizer(seed: int):
     torch.manual_seed(seed)

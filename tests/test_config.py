@@ -5,17 +5,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
-from speedllm.config import register_configs
-from speedllm.config.schema import ROOT
+from speedllm.config import compose_config
 from speedllm.config.validate import check_world, validate
 from speedllm.errors import UserError
 from speedllm.hardware import load_profile
 from speedllm.launcher import resolve_layout
+from speedllm.paths import ASSETS, CONF, ROOT
 
-CONF = ROOT / "conf"
+pytestmark = pytest.mark.unit
+
 MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml") if p.stem != "hf")  # hf: tests/test_hf.py
 PARALLELS = sorted(p.stem for p in (CONF / "parallel").glob("*.yaml") if p.stem != "auto")
 HARDWARE = sorted(p.stem for p in (CONF / "hardware").glob("*.yaml") if p.stem != "auto")
@@ -23,24 +23,12 @@ TASKS = sorted(p.stem for p in (CONF / "task").glob("*.yaml"))
 DATA = sorted(p.stem for p in (CONF / "data").glob("*.yaml"))
 
 
-def composed(*overrides):
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = compose("config", overrides=list(overrides))
-    return cfg
-
-
-def launch(*overrides, tmp_path):
-    """Run launch.py as a user would; return (exit code, stdout, stderr)."""
-    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), f"hydra.run.dir={tmp_path}", *overrides],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    return proc.returncode, proc.stdout, proc.stderr
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_every_model_parallel_pair_validates_or_fails_as_expected(model):
     for parallel in PARALLELS:
-        cfg = composed(f"model={model}", f"parallel={parallel}", "hardware=cpu", "task=plan")
+        cfg = compose_config(f"model={model}", f"parallel={parallel}", "hardware=cpu", "task=plan")
         with open_dict(cfg):
             world, nproc = resolve_layout(cfg)
             cfg.train.global_batch_size = cfg.parallel.dp * cfg.train.micro_batch_size
@@ -58,7 +46,7 @@ def test_every_model_parallel_pair_validates_or_fails_as_expected(model):
 
 @pytest.mark.parametrize("hardware", HARDWARE)
 def test_every_hardware_profile_composes_and_has_its_fields(hardware):
-    cfg = composed(f"hardware={hardware}", "task=plan")
+    cfg = compose_config(f"hardware={hardware}", "task=plan")
     profile = load_profile(hardware)
     assert cfg.hardware == profile
     assert profile.device in ("cpu", "cuda", "npu")
@@ -68,18 +56,18 @@ def test_every_hardware_profile_composes_and_has_its_fields(hardware):
 
 def test_every_task_and_data_option_composes():
     for task in TASKS:
-        assert composed(f"task={task}").task.name == task
+        assert compose_config(f"task={task}").task.name == task
     for data in DATA:
-        assert composed(f"data={data}").data.name == data
-    assert composed("task=sft").data.name == "sft_demo"
-    assert composed("task=sft", "data=custom").data.name == "custom"
+        assert compose_config(f"data={data}").data.name == data
+    assert compose_config("task=sft").data.name == "sft_demo"
+    assert compose_config("task=sft", "data=custom").data.name == "custom"
 
 
 def test_model_sizes_match_the_reference_table():
     rows = {"qwen3_0.6b": (1024, 28, 16, 8, 3072, True), "qwen3_8b": (4096, 36, 32, 8, 12288, False),
             "qwen3_32b": (5120, 64, 64, 8, 25600, False), "qwen3_235b_a22b": (4096, 94, 64, 4, 12288, False)}
     for name, row in rows.items():
-        m = composed(f"model={name}").model
+        m = compose_config(f"model={name}").model
         assert (m.hidden_size, m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads,
                 m.intermediate_size, m.tie_word_embeddings) == row
         assert m.vocab_size == 151936 and m.head_dim == 128 and m.rms_norm_eps == 1e-6
@@ -151,22 +139,23 @@ RULES = [
 
 
 @pytest.mark.parametrize("overrides,message", RULES, ids=[r[1][:40] for r in RULES])
-def test_validation_rule_message_and_exit_code(overrides, message, tmp_path):
-    code, out, err = launch(*overrides, tmp_path=tmp_path)
+def test_validation_rule_message_and_exit_code(overrides, message, tmp_path, launch):
+    code, out, err = launch(tmp_path, *overrides)
     assert code == 2, (out, err)
     assert err.strip() == f"error: {message}"
     assert "Traceback" not in out + err
     assert not (tmp_path / "config.yaml").exists()  # nothing frozen, nothing launched
 
 
-def test_tokenizer_larger_than_model_vocab_is_rejected(tmp_path):
-    tokenizer = ROOT / "assets" / "tokenizers" / "qwen3"
+def test_tokenizer_larger_than_model_vocab_is_rejected(tmp_path, launch):
+    tokenizer = ASSETS / "tokenizers" / "qwen3"
     if not tokenizer.exists():
         pytest.skip("bundled Qwen3 tokenizer not built")
-    code, _, err = launch(f"data.tokenizer={tokenizer}", tmp_path=tmp_path)
+    code, _, err = launch(tmp_path, f"data.tokenizer={tokenizer}")
     assert code == 2
-    assert err.strip() == (f"error: data.tokenizer={tokenizer} has 151669 tokens but model qwen3_tiny has "
-                           "vocab_size=8192; use the model's tokenizer or a model with a larger vocab")
+    assert err.strip() == (f"error: data.tokenizer={tokenizer} has 151669 token ids but model qwen3_tiny has "
+                           "vocab_size=8192; use the model's tokenizer (and data tokenized with it) or a model with "
+                           "a larger vocabulary")
 
 
 @pytest.mark.parametrize("overrides,hydra_says", [
@@ -174,20 +163,20 @@ def test_tokenizer_larger_than_model_vocab_is_rejected(tmp_path):
     (["train.steps=abc"], "Value 'abc' of type 'str' could not be converted to Integer"),
     (["model=qwen3_7b"], "Could not find 'model/qwen3_7b'"),
 ])
-def test_hydra_rejects_unknown_keys_wrong_types_and_options(overrides, hydra_says, tmp_path):
-    code, out, err = launch(*overrides, tmp_path=tmp_path)
+def test_hydra_rejects_unknown_keys_wrong_types_and_options(overrides, hydra_says, tmp_path, launch):
+    code, out, err = launch(tmp_path, *overrides)
     assert code != 0
     assert hydra_says in err
 
 
-def test_cfg_job_prints_the_composed_config(tmp_path):
-    code, out, _ = launch("model=qwen3_0.6b", "parallel=tp2_pp2", "--cfg", "job", tmp_path=tmp_path)
+def test_cfg_job_prints_the_composed_config(tmp_path, launch):
+    code, out, _ = launch(tmp_path, "model=qwen3_0.6b", "parallel=tp2_pp2", "--cfg", "job")
     assert code == 0
     assert "name: qwen3_0.6b" in out and "name: tp2_pp2" in out and "hidden_size: 1024" in out
 
 
-def test_doctor_spawns_eight_gloo_ranks_for_tp8(tmp_path):
-    code, out, err = launch("model=qwen3_0.6b", "parallel=tp8", "task=doctor", tmp_path=tmp_path)
+def test_doctor_spawns_eight_gloo_ranks_for_tp8(tmp_path, launch):
+    code, out, err = launch(tmp_path, "model=qwen3_0.6b", "parallel=tp8", "task=doctor")
     assert code == 0, err
     lines = [line for line in out.splitlines() if line.startswith("rank ")]
     assert len(lines) == 8
@@ -222,16 +211,16 @@ def test_torchrun_gets_the_same_run(tmp_path):
     assert "dp: 2" in (tmp_path / "config.yaml").read_text()
 
 
-def test_two_nodes_rendezvous_through_the_elastic_launcher(tmp_path):
+def test_two_nodes_rendezvous_through_the_elastic_launcher(tmp_path, launch_argv):
     """Two launch.py processes, one per 'node', meet at node 0's endpoint: the multi-node path, on one machine."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "task=doctor", "parallel=dp2",
-                               "launcher.nnodes=2", "launcher.nproc_per_node=1", f"launcher.node_rank={n}",
-                               f"launcher.rdzv_endpoint=127.0.0.1:{port}", f"hydra.run.dir={tmp_path / str(n)}"],
+    procs = [subprocess.Popen(launch_argv(tmp_path / str(n), "task=doctor", "parallel=dp2", "launcher.nnodes=2",
+                                          "launcher.nproc_per_node=1", f"launcher.node_rank={n}",
+                                          f"launcher.rdzv_endpoint=127.0.0.1:{port}"),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
              for n in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]

@@ -9,8 +9,10 @@ import pytest
 
 from speedllm.data.indexed import IndexedDataset, IndexedDatasetWriter, dtype_for_vocab
 from speedllm.data.preprocess import preprocess
-from speedllm.config.schema import ASSETS
 from speedllm.errors import UserError
+from speedllm.paths import ASSETS
+
+pytestmark = pytest.mark.unit
 
 DEMO_TOK = str(ASSETS / "tokenizers" / "demo")
 QWEN_TOK = str(ASSETS / "tokenizers" / "qwen3")
@@ -182,20 +184,13 @@ def test_failed_rewrite_keeps_no_half_pair(tmp_path):
 
 
 def test_task_preprocess_from_composed_config(tmp_path, capsys):
-    from hydra import compose, initialize_config_dir
-
-    from speedllm.config import register_configs
-    from speedllm.config.schema import ROOT
+    from speedllm.config import compose_config
     from speedllm.data import preprocess as task
 
-    register_configs()
     src = tmp_path / "in.jsonl"
     src.write_text('{"text": "To be, or not to be"}\n{"text": "that is the question"}\n')
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose("config", overrides=[
-            "task=preprocess", f"data.input={src}", f"data.output_prefix={tmp_path}/corpus",
-            f"data.tokenizer={QWEN_TOK}", "logging.progress_bar=false",
-        ])
+    cfg = compose_config("task=preprocess", f"data.input={src}", f"data.output_prefix={tmp_path}/corpus",
+                         f"data.tokenizer={QWEN_TOK}", "logging.progress_bar=false")
     meta = task.run(cfg)
     assert meta["num_documents"] == 2 and meta["dtype"] == "int32"
     assert "tokens/s" in capsys.readouterr().out

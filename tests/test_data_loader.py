@@ -5,20 +5,15 @@ import os
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
-from speedllm.config import register_configs
-from speedllm.config.schema import ROOT
+from speedllm.config import compose_config
 from speedllm.data.datasets import BlendedDataset, GPTDataset, build_pretrain_dataset, split_range
 from speedllm.data.indexed import IndexedDataset, IndexedDatasetWriter
 from speedllm.data.loader import Loader, build_loader
 from speedllm.errors import UserError
+from speedllm.paths import ASSETS
 
-
-def config(*overrides):
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        return compose("config", overrides=list(overrides))
+pytestmark = pytest.mark.unit
 
 
 def write_unique(prefix, lengths, base=0):
@@ -82,7 +77,7 @@ def test_dp_shards_union_equals_single_process(tmp_path):
 
 
 def test_demo_pretrain_loader_resume_and_cache(tmp_path):
-    cfg = config(f"data.cache_dir={tmp_path}")
+    cfg = compose_config(f"data.cache_dir={tmp_path}")
     full = build_loader(cfg, "train", dp_rank=1, dp_size=2, micro_batch_size=2, seq_len=32, seed=7)
     batches = [next(full) for _ in range(6)]
     cached = sorted(p.name for p in (tmp_path / "demo").iterdir())
@@ -108,7 +103,7 @@ def test_demo_pretrain_loader_resume_and_cache(tmp_path):
 
 
 def test_sft_loader_resume_across_epochs(tmp_path):
-    cfg = config("task=sft", "data.split=[1,0,0]")
+    cfg = compose_config("task=sft", "data.split=[1,0,0]")
     loader = build_loader(cfg, "train", 0, 1, micro_batch_size=8, seq_len=128, seed=3)
     rows_per_epoch = len(loader.dataset)
     k = rows_per_epoch // 8 - 1  # the uninterrupted run crosses into the second epoch after the restore
@@ -125,14 +120,14 @@ def test_sft_loader_resume_across_epochs(tmp_path):
 
 
 def test_unpacked_sft_has_no_document_fields():
-    cfg = config("task=sft", "data.packing=false")
+    cfg = compose_config("task=sft", "data.packing=false")
     batch = next(build_loader(cfg, "valid", 0, 1, 4, 96, 0))
     assert set(batch) == {"tokens", "labels"} and batch["tokens"].shape == (4, 96)
 
 
 def test_tokenizer_larger_than_embedding_is_rejected():
-    cfg = config("data.tokenizer=${asset:tokenizers/qwen3}")
-    with pytest.raises(UserError, match="151669 token ids but model.vocab_size=8192"):
+    cfg = compose_config("data.tokenizer=${asset:tokenizers/qwen3}")
+    with pytest.raises(UserError, match="has 151669 token ids but model qwen3_tiny has vocab_size=8192; "):
         build_loader(cfg, "train", 0, 1, 1, 16, 0)
 
 
@@ -149,9 +144,9 @@ def test_data_tokenized_for_a_larger_vocab_is_rejected(tmp_path):
 
     src = tmp_path / "in.jsonl"
     src.write_text('{"text": "' + "word " * 400 + '"}\n')
-    preprocess(str(src), str(tmp_path / "big"), str(ROOT / "assets" / "tokenizers" / "qwen3"), progress=False)
-    cfg = config(f"data.path={tmp_path}/big", "data.split=[1,0,0]")
-    with pytest.raises(UserError, match=r"big.bin \(see big.json\): 151669 token ids"):
+    preprocess(str(src), str(tmp_path / "big"), str(ASSETS / "tokenizers" / "qwen3"), progress=False)
+    cfg = compose_config(f"data.path={tmp_path}/big", "data.split=[1,0,0]")
+    with pytest.raises(UserError, match=r"big.bin \(see big.json\) has 151669 token ids but model qwen3_tiny has "):
         build_loader(cfg, "train", 0, 1, 1, 16, 0)
 
 
@@ -164,7 +159,7 @@ def _build_demo(cfg, queue):
 def test_concurrent_ranks_build_the_demo_cache_once(tmp_path, capfd):
     import multiprocessing as mp
 
-    cfg = config(f"data.cache_dir={tmp_path}")
+    cfg = compose_config(f"data.cache_dir={tmp_path}")
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_build_demo, args=(cfg, queue)) for _ in range(2)]

@@ -6,12 +6,14 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from speedllm.config.schema import ASSETS
 from speedllm.data.sft import (
-    IGNORE, SFTDataset, SFTSamples, encode_conversation, has_generation_markers, load_sft_samples, make_row,
-    to_messages,
+    SFTDataset, SFTSamples, encode_conversation, has_generation_markers, load_sft_samples, make_row, to_messages,
 )
 from speedllm.errors import UserError
+from speedllm.ops import IGNORE_INDEX
+from speedllm.paths import ASSETS
+
+pytestmark = pytest.mark.unit
 
 CONV = [
     {"role": "system", "content": "You add numbers."},
@@ -56,7 +58,7 @@ def test_handcrafted_conversation_mask(tok, loss_on, keep):
     row = make_row(SFTSamples([ids], [mask]), [0], len(ids) + 3, pad_id=0)
     labels = row["labels"].tolist()
     # label of position t is token t+1 exactly where token t+1 is trained
-    want = [ref_ids[t + 1] if ref_mask[t + 1] else IGNORE for t in range(len(ref_ids) - 1)] + [IGNORE] * 4
+    want = [ref_ids[t + 1] if ref_mask[t + 1] else IGNORE_INDEX for t in range(len(ref_ids) - 1)] + [IGNORE_INDEX] * 4
     assert labels == want
 
 
@@ -136,8 +138,8 @@ def test_packing_boundaries(tok):
                 match = [i for i in range(len(samples.ids)) if samples.ids[i].tolist() == [tokens[i] for i in span]]
                 assert match, "each document is exactly one sample"
                 seen.append(match[0])
-                assert labels[span[-1]] == IGNORE, "no label crosses into the next sample"
-        assert sum(1 for x in labels if x != IGNORE) > 0
+                assert labels[span[-1]] == IGNORE_INDEX, "no label crosses into the next sample"
+        assert sum(1 for x in labels if x != IGNORE_INDEX) > 0
     assert sorted(seen) == list(range(len(samples.ids))), "one epoch packs every sample exactly once"
 
 

@@ -2,15 +2,12 @@
 seeds, stop tokens/strings, and the launcher path (HF dir, DCP checkpoint, jsonl in/out, TP2 = single process)."""
 
 import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
-from transformers import AutoConfig, Qwen3ForCausalLM, Qwen3MoeForCausalLM
+from transformers import AutoConfig
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     RepetitionPenaltyLogitsProcessor,
@@ -19,12 +16,15 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from speedllm.config.schema import ASSETS, ROOT, GenerateConfig, ModelConfig
+from speedllm.config.schema import GenerateConfig
 from speedllm.data.tokenizer import load_tokenizer
 from speedllm.infer.engine import StopStrings, TextStream, generate_ids
 from speedllm.infer.sampling import Sampling, process_logits
 from speedllm.models import Qwen3
-from speedllm.models.hf_adapter import from_hf_state_dict, hf_config
+from speedllm.models.hf_adapter import from_hf_state_dict
+from speedllm.paths import ASSETS
+
+pytestmark = pytest.mark.numerics
 
 VOCAB = 96
 DEMO_TOKENIZER = ASSETS / "tokenizers" / "demo"
@@ -34,22 +34,6 @@ MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 def stop_ids(tok):
     """Qwen's end of turn and end of text (the demo tokenizer's eos and pad)."""
     return [tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")]
-
-
-def tiny_cfg(vocab_size=VOCAB, **overrides):
-    base = dict(name="tiny", vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                rope_theta=5000.0)
-    return OmegaConf.merge(OmegaConf.structured(ModelConfig), {**base, **overrides})
-
-
-def build_pair(cfg, seed=0):
-    """A random transformers model and our model with the same weights."""
-    torch.manual_seed(seed)
-    hf = (Qwen3MoeForCausalLM if cfg.num_experts else Qwen3ForCausalLM)(hf_config(cfg)).eval()
-    ours = Qwen3(cfg).eval()
-    ours.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg))
-    return hf, ours
 
 
 def hf_greedy(hf, prompts, max_new_tokens, eos=()):
@@ -66,8 +50,8 @@ def hf_greedy(hf, prompts, max_new_tokens, eos=()):
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_greedy_is_token_identical_to_transformers(moe):
-    hf, ours = build_pair(tiny_cfg(**(MOE if moe else {})), seed=3)
+def test_greedy_is_token_identical_to_transformers(moe, hf_pair):
+    _, hf, ours = hf_pair(seed=3, **(MOE if moe else {}))
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in (6, 11, 1, 8)]
     # batch 1
@@ -79,8 +63,8 @@ def test_greedy_is_token_identical_to_transformers(moe):
     assert generate_ids(ours, prompts, 24, Sampling(), [], 0, torch.float32) == expected
 
 
-def test_rows_stop_at_their_own_eos_like_transformers():
-    hf, ours = build_pair(tiny_cfg(), seed=5)
+def test_rows_stop_at_their_own_eos_like_transformers(hf_pair):
+    _, hf, ours = hf_pair(seed=5)
     gen = torch.Generator().manual_seed(6)
     prompts = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in (4, 7, 5)]
     free = generate_ids(ours, prompts, 16, Sampling(), [], 0, torch.float32)
@@ -111,8 +95,8 @@ def test_logit_processing_matches_transformers():
         assert torch.allclose(process_logits(logits, s, seen), expected, atol=1e-6, equal_nan=True), s
 
 
-def test_sampling_is_reproducible_with_a_seed():
-    _, ours = build_pair(tiny_cfg(), seed=7)
+def test_sampling_is_reproducible_with_a_seed(hf_pair):
+    _, _, ours = hf_pair(seed=7)
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
     s = Sampling(temperature=1.0, top_k=20, top_p=0.95, repetition_penalty=1.1)
     a = generate_ids(ours, prompts, 20, s, [], 0, torch.float32, seed=11)
@@ -124,9 +108,9 @@ def test_sampling_is_reproducible_with_a_seed():
     assert generate_ids(ours, prompts, 20, Sampling(temperature=1.0, top_k=1), [], 0, torch.float32, seed=3) == greedy
 
 
-def test_stop_strings_and_streaming():
+def test_stop_strings_and_streaming(hf_pair):
     tok = load_tokenizer(str(DEMO_TOKENIZER))
-    _, ours = build_pair(tiny_cfg(vocab_size=len(tok)), seed=8)
+    _, _, ours = hf_pair(seed=8, vocab_size=len(tok))
     prompt = tok.encode("ROMEO:", add_special_tokens=False)
     streamed = []
     full = generate_ids(ours, [prompt], 12, Sampling(), [], 0, torch.float32,
@@ -141,12 +125,12 @@ def test_stop_strings_and_streaming():
     assert stops.cut(text) == text[: text.find(stop)]
 
 
-def test_sample_texts_for_the_training_loop():
+def test_sample_texts_for_the_training_loop(hf_pair):
     """The end-of-training samples: greedy completions as text, the model handed back in training mode."""
     from speedllm.infer.generate import sample_texts
 
     tok = load_tokenizer(str(DEMO_TOKENIZER))
-    hf, ours = build_pair(tiny_cfg(vocab_size=len(tok)), seed=10)
+    _, hf, ours = hf_pair(seed=10, vocab_size=len(tok))
     ours.train()
     cfg = OmegaConf.create({"generate": OmegaConf.structured(GenerateConfig(max_new_tokens=6)),
                             "hardware": {"dtype": "float32"}, "parallel": {"tp": 1}})
@@ -160,21 +144,12 @@ def test_sample_texts_for_the_training_loop():
 
 # ------------------------------------------------------------------------------------- through launch.py
 
-def launch(*overrides, cwd):
-    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), f"hydra.run.dir={cwd}/run", "hardware=cpu",
-                           *overrides], capture_output=True, text=True, timeout=300, cwd=cwd)
-    return proc.returncode, proc.stdout, proc.stderr
-
-
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
+def hf_dir(tmp_path_factory, save_tiny_hf):
     """A random tiny Qwen3 saved by transformers (with the demo tokenizer) and the transformers model itself."""
     path = tmp_path_factory.mktemp("hf")
     tok = load_tokenizer(str(DEMO_TOKENIZER))
-    hf, _ = build_pair(tiny_cfg(vocab_size=len(tok), tie_word_embeddings=True), seed=9)
-    hf.save_pretrained(path)
-    for f in DEMO_TOKENIZER.iterdir():
-        shutil.copy(f, path)
+    hf = save_tiny_hf(path, seed=9, vocab_size=len(tok), tie_word_embeddings=True)
     return path, hf, tok
 
 
@@ -193,13 +168,14 @@ def read_rows(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
-def test_generate_task_from_hf_dir_matches_transformers_then_tp2_matches_single(hf_dir, tmp_path):
+def test_generate_task_from_hf_dir_matches_transformers_then_tp2_matches_single(hf_dir, tmp_path, launch):
     path, hf, tok = hf_dir
     (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps(p) for p in PROMPTS[:2]) +
                                             "\n" + json.dumps({"prompt": PROMPTS[2]}) + "\n")
     common = ["task=generate", "model=hf", f"checkpoint.load_hf={path}",
               f"generate.prompts_file={tmp_path}/prompts.jsonl", "generate.max_new_tokens=10", "generate.batch_size=2"]
-    code, out, err = launch(*common, f"generate.output={tmp_path}/single.jsonl", cwd=tmp_path)
+    code, out, err = launch(tmp_path / "run", "hardware=cpu", *common, f"generate.output={tmp_path}/single.jsonl",
+                            cwd=tmp_path)
     assert code == 0, err
     rows = read_rows(tmp_path / "single.jsonl")
     expected = expected_rows(hf, tok, 10)
@@ -216,24 +192,26 @@ def test_generate_task_from_hf_dir_matches_transformers_then_tp2_matches_single(
         assert frozen[key] == getattr(hf_config, key), key
     assert frozen.rope_theta == hf_config.rope_parameters["rope_theta"]
 
-    code, out, err = launch(*common, "parallel=tp2", f"generate.output={tmp_path}/tp2.jsonl", cwd=tmp_path)
+    code, out, err = launch(tmp_path / "run", "hardware=cpu", *common, "parallel=tp2",
+                            f"generate.output={tmp_path}/tp2.jsonl", cwd=tmp_path)
     assert code == 0, err
     assert read_rows(tmp_path / "tp2.jsonl") == rows
 
 
-def test_generate_task_from_dcp_checkpoint_streams_one_prompt(hf_dir, tmp_path):
+def test_generate_task_from_dcp_checkpoint_streams_one_prompt(hf_dir, tmp_path, tiny_model_cfg, launch):
     """A training checkpoint (saved by the training code) generates what transformers does on its weights."""
     from speedllm.checkpoint.dcp import save_checkpoint
 
     path, hf, tok = hf_dir
-    model_cfg = tiny_cfg(vocab_size=len(tok), tie_word_embeddings=True, tokenizer=str(DEMO_TOKENIZER))
+    model_cfg = tiny_model_cfg(vocab_size=len(tok), tie_word_embeddings=True, tokenizer=str(DEMO_TOKENIZER))
     cfg = OmegaConf.create({"model": OmegaConf.to_container(model_cfg),
                             "data": {"tokenizer": str(DEMO_TOKENIZER)}})
     model = Qwen3(cfg.model)
     model.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg.model))
     optimizer = torch.optim.AdamW(model.parameters())
     save_checkpoint(str(tmp_path / "ckpt"), 5, model, optimizer, {"step": 5}, cfg, keep=1)
-    code, out, err = launch("task=generate", f"checkpoint.load={tmp_path}/ckpt", f"generate.prompt={PROMPTS[0]}",
+    code, out, err = launch(tmp_path / "run", "hardware=cpu", "task=generate", f"checkpoint.load={tmp_path}/ckpt",
+                            f"generate.prompt={PROMPTS[0]}",
                             "generate.max_new_tokens=10", f"generate.output={tmp_path}/out.jsonl", cwd=tmp_path)
     assert code == 0, err
     (row,) = read_rows(tmp_path / "out.jsonl")
@@ -243,11 +221,13 @@ def test_generate_task_from_dcp_checkpoint_streams_one_prompt(hf_dir, tmp_path):
     assert OmegaConf.load(tmp_path / "run" / "config.yaml").model == OmegaConf.create(cfg.model)
 
 
-def test_generate_user_errors(tmp_path):
-    code, _, err = launch("task=generate", "generate.prompt=hi", cwd=tmp_path)
+def test_generate_user_errors(tmp_path, launch):
+    code, _, err = launch(tmp_path / "run", "hardware=cpu", "task=generate", "generate.prompt=hi", cwd=tmp_path)
     assert code == 2 and err.strip().splitlines()[-1].startswith("error: task=generate needs weights: checkpoint.load")
     (tmp_path / "ckpt").mkdir()
-    code, _, err = launch("task=generate", f"checkpoint.load={tmp_path}/ckpt", cwd=tmp_path)
+    code, _, err = launch(tmp_path / "run", "hardware=cpu", "task=generate", f"checkpoint.load={tmp_path}/ckpt",
+                          cwd=tmp_path)
     assert code == 2 and "error: task=generate needs generate.prompt=<text> or generate.prompts_file" in err
-    code, _, err = launch("task=generate", "generate.prompt=hi", "generate.top_p=0", cwd=tmp_path)
+    code, _, err = launch(tmp_path / "run", "hardware=cpu", "task=generate", "generate.prompt=hi",
+                          "generate.top_p=0", cwd=tmp_path)
     assert code == 2 and "error: generate.top_p=0.0 must be in (0, 1] (1 = off)" in err

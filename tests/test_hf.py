@@ -7,24 +7,24 @@ config.json; task=convert both ways through the launcher. Error cases assert the
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from speedllm.checkpoint.hf import export_model, hf_model_fields, load_hf_weights, parse_size
-from speedllm.config import register_configs
-from speedllm.config.schema import ROOT, ModelConfig
+from speedllm.config import compose_config
+from speedllm.config.schema import ModelConfig
 from speedllm.errors import UserError
 from speedllm.models.qwen3 import Qwen3
+from speedllm.paths import ASSETS
 
-DEMO_TOKENIZER = ROOT / "assets" / "tokenizers" / "demo"
+pytestmark = pytest.mark.numerics
+
+DEMO_TOKENIZER = ASSETS / "tokenizers" / "demo"
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6)
 KINDS = {
@@ -65,8 +65,7 @@ def our_model(path: Path) -> Qwen3:
     with torch.device("meta"):
         model = Qwen3(cfg)
     model.to_empty(device="cpu")
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    model.tie_embeddings()
     load_hf_weights(model, str(path))
     return model.eval()
 
@@ -137,25 +136,19 @@ def test_hf_to_ours_to_hf_is_bit_exact(kind, dtype, tmp_path):
     assert_bit_exact(source, tmp_path / "out")
 
 
-def launch(*overrides, cwd: Path):
-    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), f"hydra.run.dir={cwd}", "hardware=cpu",
-                           "logging.progress_bar=false", *overrides], capture_output=True, text=True, timeout=300,
-                          cwd=cwd)
-    return proc.returncode, proc.stdout, proc.stderr
+CPU = ["hardware=cpu", "logging.progress_bar=false"]
 
 
-def test_convert_hf_to_dcp_to_hf_through_the_launcher(tmp_path):
+def test_convert_hf_to_dcp_to_hf_through_the_launcher(tmp_path, launch):
     source = save_hf("moe", tmp_path / "src", dtype=torch.bfloat16)
-    (tmp_path / "run1").mkdir()
-    code, out, err = launch("task=convert", f"checkpoint.load_hf={source}", "convert.to=dcp",
-                            f"convert.out={tmp_path / 'dcp'}", cwd=tmp_path / "run1")
+    code, out, err = launch(tmp_path / "run1", *CPU, "task=convert", f"checkpoint.load_hf={source}", "convert.to=dcp",
+                            f"convert.out={tmp_path / 'dcp'}")
     assert code == 0, err
     assert (tmp_path / "dcp" / "latest").read_text().strip() == "step_00000000"
     saved = OmegaConf.load(tmp_path / "dcp" / "step_00000000" / "config.yaml")
     assert saved.model.num_experts == 4 and saved.model.hidden_size == 64
-    (tmp_path / "run2").mkdir()
-    code, out, err = launch("task=convert", f"checkpoint.load={tmp_path / 'dcp'}", "convert.to=hf",
-                            "convert.max_shard_size=60KB", f"convert.out={tmp_path / 'hf'}", cwd=tmp_path / "run2")
+    code, out, err = launch(tmp_path / "run2", *CPU, "task=convert", f"checkpoint.load={tmp_path / 'dcp'}",
+                            "convert.to=hf", "convert.max_shard_size=60KB", f"convert.out={tmp_path / 'hf'}")
     assert code == 0, err
     assert "safetensors shard(s)" in out
     assert_bit_exact(source, tmp_path / "hf")
@@ -164,16 +157,10 @@ def test_convert_hf_to_dcp_to_hf_through_the_launcher(tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))
 
 
-def composed(*overrides):
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        return compose("config", overrides=list(overrides))
-
-
 def test_model_hf_takes_config_json_in_either_spelling(hf_dirs, tmp_path):
     """transformers 5 writes rope_parameters / num_local_experts, transformers 4 rope_theta / num_experts."""
     path = hf_dirs["moe"]
-    cfg = composed("model=hf", f"checkpoint.load_hf={path}")
+    cfg = compose_config("model=hf", f"checkpoint.load_hf={path}")
     assert (cfg.model.num_experts, cfg.model.moe_intermediate_size, cfg.model.rope_theta, cfg.model.tokenizer) == (
         4, 32, 10000.0, str(path))
     old = tmp_path / "old"
@@ -275,8 +262,9 @@ def launcher_hf_dir(tmp_path_factory):
     return save_hf("dense_untied", tmp_path_factory.mktemp("hf8192"), vocab_size=8192, max_shard_size="200KB")
 
 
-def test_validation_rejects_model_disagreeing_with_config_json(launcher_hf_dir, tmp_path):
-    code, out, err = launch("task=pretrain", f"checkpoint.load_hf={launcher_hf_dir}", "model=qwen3_tiny", cwd=tmp_path)
+def test_validation_rejects_model_disagreeing_with_config_json(launcher_hf_dir, tmp_path, launch):
+    code, out, err = launch(tmp_path, *CPU, "task=pretrain", f"checkpoint.load_hf={launcher_hf_dir}",
+                            "model=qwen3_tiny")
     assert code == 2, err
     assert err.strip() == (
         f"error: checkpoint.load_hf={launcher_hf_dir}: config.json disagrees with model=qwen3_tiny on hidden_size (64 "
@@ -290,7 +278,7 @@ def test_model_hf_without_load_hf_is_rejected():
     from speedllm.config.validate import validate
 
     with pytest.raises(UserError) as err:
-        validate(composed("model=hf", "hardware=cpu"), 1, 1)
+        validate(compose_config("model=hf", "hardware=cpu"), 1, 1)
     assert str(err.value) == ("model=hf takes the model from checkpoint.load_hf's config.json; set "
                               "checkpoint.load_hf=<HF model dir>")
 
@@ -310,7 +298,7 @@ def test_demo_style_export_stops_at_its_end_token_in_transformers_generate(tmp_p
     from speedllm.checkpoint.convert import dcp_to_hf
     from speedllm.checkpoint.dcp import save_checkpoint
 
-    cfg = composed("model=qwen3_tiny", "model.hidden_size=32", "model.intermediate_size=64",
+    cfg = compose_config("model=qwen3_tiny", "model.hidden_size=32", "model.intermediate_size=64",
                    "model.num_hidden_layers=1", "model.head_dim=8", "model.tie_word_embeddings=false",
                    f"run_dir={tmp_path}", "logging.progress_bar=false")
     OmegaConf.resolve(cfg)

@@ -6,27 +6,17 @@ converted to HF, gives in transformers the logits of our model loaded from that 
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from speedllm.config.schema import ROOT
-from test_hf import save_hf
+pytestmark = pytest.mark.distributed
 
 RUN = ["task=pretrain", "model=hf", "hardware=cpu", "train.steps=1", "train.seq_len=32", "train.micro_batch_size=2",
        "train.global_batch_size=4", "train.log_every=1", "train.eval_every=0", "logging.progress_bar=false",
        "logging.tensorboard=false", "generate.num_samples=0"]
-
-
-def launch(run_dir: Path, *overrides) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), f"hydra.run.dir={run_dir}", *overrides],
-                          capture_output=True, text=True, timeout=300, cwd=run_dir)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def first_loss(run_dir: Path) -> float:
@@ -35,15 +25,19 @@ def first_loss(run_dir: Path) -> float:
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
+def hf_dir(tmp_path_factory, save_tiny_hf):
     """Tiny tied-embedding Qwen3 over the demo tokenizer's 8192 ids, saved by transformers in several shards."""
-    return save_hf("dense_tied", tmp_path_factory.mktemp("hf"), vocab_size=8192, max_shard_size="300KB")
+    path = tmp_path_factory.mktemp("hf")
+    save_tiny_hf(path, vocab_size=8192, tie_word_embeddings=True, max_shard_size="300KB")
+    assert len(list(path.glob("*.safetensors"))) > 1
+    return path
 
 
 @pytest.fixture(scope="module")
-def single(hf_dir, tmp_path_factory):
+def single(hf_dir, tmp_path_factory, launch):
     run_dir = tmp_path_factory.mktemp("single")
-    launch(run_dir, *RUN, f"checkpoint.load_hf={hf_dir}", "checkpoint.save_final=false")
+    code, out, err = launch(run_dir, *RUN, f"checkpoint.load_hf={hf_dir}", "checkpoint.save_final=false")
+    assert code == 0, out[-3000:] + err[-3000:]
     return run_dir
 
 
@@ -67,12 +61,14 @@ def test_single_process_first_loss_is_transformers_loss(hf_dir, single):
 
 
 @pytest.mark.parametrize("parallel", ["fsdp2", "tp2", "pp2"])
-def test_parallel_layouts_load_hf_to_the_single_process_loss(parallel, hf_dir, single, tmp_path):
-    launch(tmp_path, *RUN, f"parallel={parallel}", f"checkpoint.load_hf={hf_dir}", "checkpoint.save_final=false")
+def test_parallel_layouts_load_hf_to_the_single_process_loss(parallel, hf_dir, single, tmp_path, launch):
+    code, out, err = launch(tmp_path, *RUN, f"parallel={parallel}", f"checkpoint.load_hf={hf_dir}",
+                            "checkpoint.save_final=false")
+    assert code == 0, out[-3000:] + err[-3000:]
     assert abs(first_loss(tmp_path) - first_loss(single)) <= 2e-5
 
 
-def test_tp2_pp2_checkpoint_exports_to_transformers(hf_dir, single, tmp_path):
+def test_tp2_pp2_checkpoint_exports_to_transformers(hf_dir, single, tmp_path, launch):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from transformers import AutoModelForCausalLM
@@ -81,7 +77,8 @@ def test_tp2_pp2_checkpoint_exports_to_transformers(hf_dir, single, tmp_path):
     from speedllm.checkpoint.dcp import _quiet_dcp
     from speedllm.models.qwen3 import Qwen3
 
-    launch(tmp_path / "train", *RUN, "parallel=tp2_pp2", f"checkpoint.load_hf={hf_dir}")
+    code, out, err = launch(tmp_path / "train", *RUN, "parallel=tp2_pp2", f"checkpoint.load_hf={hf_dir}")
+    assert code == 0, out[-3000:] + err[-3000:]
     checkpoint = tmp_path / "train" / "checkpoints" / "step_00000001"
     saved = OmegaConf.load(checkpoint / "config.yaml")
     assert abs(first_loss(tmp_path / "train") - first_loss(single)) <= 2e-5

@@ -2,7 +2,6 @@
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,17 +12,11 @@ from transformers import AutoModelForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCaus
 from speedllm.config.schema import ModelConfig
 from speedllm.models import KVCache, Qwen3, num_params
 from speedllm.models.hf_adapter import from_hf_state_dict, hf_config, model_config_from_hf, to_hf_state_dict
+from speedllm.paths import CONF
 
-ROOT = Path(__file__).resolve().parents[1]
-VOCAB = 96
+pytestmark = pytest.mark.numerics
 
-
-def tiny_cfg(**overrides):
-    base = dict(
-        name="tiny", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rope_theta=5000.0,
-    )
-    return OmegaConf.merge(OmegaConf.structured(ModelConfig), {**base, **overrides})
+VOCAB = 96  # conftest.TINY_MODEL's
 
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, router_aux_loss_coef=0.01)
@@ -35,20 +28,9 @@ CONFIGS = {
 }
 
 
-def build_pair(overrides, seed=0):
-    """A random transformers model and our model carrying the same weights."""
-    cfg = tiny_cfg(**overrides)
-    torch.manual_seed(seed)
-    hf_cls = Qwen3MoeForCausalLM if cfg.num_experts else Qwen3ForCausalLM
-    hf = hf_cls(hf_config(cfg)).eval()
-    ours = Qwen3(cfg).eval()
-    ours.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg))
-    return cfg, hf, ours
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_parity_logits_loss_grads(name):
-    cfg, hf, ours = build_pair(CONFIGS[name])
+def test_parity_logits_loss_grads(name, hf_pair):
+    cfg, hf, ours = hf_pair(**CONFIGS[name])
     tokens = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
 
     with torch.no_grad():
@@ -92,16 +74,16 @@ def greedy(model, prompt, max_new_tokens, attention_mask=None):
 
 
 @pytest.mark.parametrize("name", ["dense_untied", "moe_norm_topk"])
-def test_greedy_generation_matches_hf_generate(name):
-    cfg, hf, ours = build_pair(CONFIGS[name], seed=3)
+def test_greedy_generation_matches_hf_generate(name, hf_pair):
+    cfg, hf, ours = hf_pair(seed=3, **CONFIGS[name])
     prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(4))
     expected = hf.generate(prompt, max_new_tokens=32, do_sample=False, pad_token_id=0)[:, 9:]
     assert expected.shape[1] == 32
     assert torch.equal(greedy(ours, prompt, 32), expected)
 
 
-def test_left_padded_batch_generation_matches_hf_generate():
-    cfg, hf, ours = build_pair(CONFIGS["dense_tied"], seed=5)
+def test_left_padded_batch_generation_matches_hf_generate(hf_pair):
+    cfg, hf, ours = hf_pair(seed=5, **CONFIGS["dense_tied"])
     prompt = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(6))
     mask = torch.ones_like(prompt)
     mask[1, :3] = 0
@@ -111,8 +93,8 @@ def test_left_padded_batch_generation_matches_hf_generate():
 
 
 @pytest.mark.parametrize("name", ["dense_untied", "moe_norm_topk"])
-def test_packed_documents_equal_separate_runs(name):
-    cfg, _, ours = build_pair(CONFIGS[name])
+def test_packed_documents_equal_separate_runs(name, hf_pair):
+    cfg, _, ours = hf_pair(**CONFIGS[name])
     lengths = [5, 8, 3]
     docs = [torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(n)) for n in lengths]
     packed = torch.cat(docs, dim=1)
@@ -124,8 +106,8 @@ def test_packed_documents_equal_separate_runs(name):
     assert (together - separate).abs().max() <= 1e-5
 
 
-def test_pipeline_style_stages_reproduce_full_model():
-    cfg, _, ours = build_pair(CONFIGS["moe_norm_topk"])
+def test_pipeline_style_stages_reproduce_full_model(hf_pair):
+    cfg, _, ours = hf_pair(**CONFIGS["moe_norm_topk"])
     first, last = copy.deepcopy(ours), copy.deepcopy(ours)
     first.norm = first.lm_head = None
     del first.layers["2"]
@@ -136,8 +118,8 @@ def test_pipeline_style_stages_reproduce_full_model():
         assert torch.equal(last(first(tokens)), ours(tokens))
 
 
-def test_meta_init_matches_direct_init():
-    cfg = tiny_cfg(**CONFIGS["moe_norm_topk"])
+def test_meta_init_matches_direct_init(tiny_model_cfg):
+    cfg = tiny_model_cfg(**CONFIGS["moe_norm_topk"])
     direct = Qwen3(cfg)
     direct.init_weights(seed=7)
     with torch.device("meta"):
@@ -150,13 +132,13 @@ def test_meta_init_matches_direct_init():
     std = torch.cat([p.flatten() for n, p in meta.named_parameters() if "norm" not in n]).std().item()
     assert abs(std - cfg.initializer_range) < 1e-3
     assert all(torch.all(p == 1) for n, p in meta.named_parameters() if "norm" in n)
-    tied = Qwen3(tiny_cfg(tie_word_embeddings=True))
+    tied = Qwen3(tiny_model_cfg(tie_word_embeddings=True))
     assert tied.lm_head.weight is tied.embed_tokens.weight
 
 
 def model_sizes():
     """conf/model files that fix a size (model=hf takes every field from a checkpoint's config.json instead)."""
-    paths = sorted((ROOT / "conf" / "model").glob("*.yaml"))
+    paths = sorted((CONF / "model").glob("*.yaml"))
     return [p for p in paths if not OmegaConf.is_interpolation(OmegaConf.load(p), "hidden_size")]
 
 
@@ -177,9 +159,9 @@ def test_param_count_matches_transformers_on_meta(path):
 
 
 @pytest.mark.parametrize("name", ["dense_tied", "moe_no_norm_topk"])
-def test_hf_export_loads_in_transformers(name, tmp_path):
+def test_hf_export_loads_in_transformers(name, tmp_path, hf_pair):
     """to_hf_state_dict + hf_config -> a directory transformers loads with the same logits; config reads back."""
-    cfg, _, ours = build_pair(CONFIGS[name])
+    cfg, _, ours = hf_pair(**CONFIGS[name])
     hf_config(cfg).save_pretrained(tmp_path)
     hf_sd = to_hf_state_dict(ours.state_dict(), cfg)
     assert "lm_head.weight" not in hf_sd  # tied
@@ -213,9 +195,9 @@ def test_model_config_from_hf_reads_transformers4_spelling():
 
 
 @pytest.mark.parametrize("name", ["dense_untied", "moe_no_norm_topk"])
-def test_cuda_op_set_model_matches_reference(name):
+def test_cuda_op_set_model_matches_reference(name, hf_pair):
     """The model on the cuda op set (pure torch, runs on CPU too) gives the reference model's loss and grads."""
-    cfg, _, ref = build_pair(CONFIGS[name])
+    cfg, _, ref = hf_pair(**CONFIGS[name])
     fused = Qwen3(cfg, ops="cuda")
     fused.load_state_dict(ref.state_dict())
     tokens = torch.randint(0, VOCAB, (2, 16))

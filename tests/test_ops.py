@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from speedllm.ops import get_ops, reference
 from speedllm.ops.loss import chunked_cross_entropy
 
+pytestmark = pytest.mark.numerics
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 IMPLS = ["cuda"] + (["npu"] if importlib.util.find_spec("torch_npu") else [])
 

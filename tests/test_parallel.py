@@ -9,7 +9,6 @@ Layout runs start a few at a time (they mostly wait on each other's collectives,
 
 import json
 import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from speedllm.config.schema import ROOT
+pytestmark = pytest.mark.distributed
 
 DENSE = ["model=qwen3_tiny", "model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=4",
          "model.head_dim=16"]
@@ -43,19 +42,15 @@ LAYOUTS = {  # name: (model, parallel overrides)
 CONCURRENT = 3
 
 
-def start(run_dir: Path, *overrides) -> subprocess.Popen:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen([sys.executable, str(ROOT / "launch.py"), f"hydra.run.dir={run_dir}", *RUN, *overrides],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=run_dir)
-
-
-def run_all(jobs: dict) -> None:
+def run_all(jobs: dict, launch_argv) -> None:
     """Run {run_dir: overrides} launches, CONCURRENT at a time; fail with the output of any that fails."""
     pending, running = list(jobs.items()), []
     while pending or running:
         while pending and len(running) < CONCURRENT:
             run_dir, overrides = pending.pop(0)
-            running.append((run_dir, start(run_dir, *overrides)))
+            run_dir.mkdir(parents=True, exist_ok=True)
+            running.append((run_dir, subprocess.Popen(launch_argv(run_dir, *RUN, *overrides), stdout=subprocess.PIPE,
+                                                      stderr=subprocess.STDOUT, text=True, cwd=run_dir)))
         time.sleep(0.5)
         for run_dir, proc in list(running):
             if proc.poll() is not None:
@@ -86,14 +81,14 @@ def saved_weights(checkpoint: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, launch_argv):
     """Run directories: single-process references (6 steps), every layout (5 steps, checkpoint at 5)."""
     root = tmp_path_factory.mktemp("parallel")
     jobs = {root / "single": [*DENSE, "parallel=single", "checkpoint.every=5"],
             root / "single_moe": [*MOE, "parallel=single", "checkpoint.every=5"]}
     for name, (model, parallel) in LAYOUTS.items():
         jobs[root / name] = [*model, *parallel, "train.stop_after=5"]
-    run_all(jobs)
+    run_all(jobs, launch_argv)
     return root
 
 
@@ -112,11 +107,11 @@ def test_layout_matches_single_process(layout, runs):
     assert not torch.equal(theirs["norm.weight"], torch.ones_like(theirs["norm.weight"]))  # it trained
 
 
-def test_tp2_pp2_checkpoint_resumes_under_fsdp4_and_single_process(runs, tmp_path):
+def test_tp2_pp2_checkpoint_resumes_under_fsdp4_and_single_process(runs, tmp_path, launch_argv):
     checkpoint = runs / "tp2_pp2" / "checkpoints" / "step_00000005"
     jobs = {tmp_path / "fsdp4": [*DENSE, "parallel=fsdp4", f"checkpoint.load={checkpoint}"],
             tmp_path / "single": [*DENSE, "parallel=single", f"checkpoint.load={checkpoint}"]}
-    run_all(jobs)
+    run_all(jobs, launch_argv)
     expected = losses(runs / "single")[5]
     for run_dir in jobs:
         (resumed,) = losses(run_dir)  # step 6 only

@@ -10,10 +10,13 @@ equal the first four exactly and the peak within 15%.
 
 import pytest
 
+from speedllm.config import compose_config
 from speedllm.planner.layout import layout_from_config
-from speedllm.planner.measure import compose_config, measure_layout
+from speedllm.planner.measure import measure_layout
 from speedllm.planner.memory import rank_params
 from speedllm.planner.search import Planner, problem_from_config
+
+pytestmark = pytest.mark.distributed
 
 COMMON = ["hardware=cpu", "train.seq_len=128", "train.micro_batch_size=2", "train.global_batch_size=4",
           "train.loss_chunk_size=256"]
@@ -21,7 +24,7 @@ COMMON = ["hardware=cpu", "train.seq_len=128", "train.micro_batch_size=2", "trai
 
 def predicted(overrides, world):
     """(parameter elements per pipeline rank, Memory per pipeline rank) from the planner."""
-    cfg = compose_config(overrides)
+    cfg = compose_config(*overrides)
     cfg.parallel.dp = world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
     planner = Planner(problem_from_config(cfg, world))
     layout = layout_from_config(cfg.parallel, cfg.train)

@@ -5,9 +5,11 @@ import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 from transformers import AutoTokenizer
 
-from speedllm.config.schema import ASSETS
 from speedllm.data.tokenizer import load_tokenizer, tokenizer_vocab_size
 from speedllm.errors import UserError
+from speedllm.paths import ASSETS
+
+pytestmark = pytest.mark.unit
 
 QWEN = ASSETS / "tokenizers" / "qwen3"
 DEMO = ASSETS / "tokenizers" / "demo"

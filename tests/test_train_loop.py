@@ -13,19 +13,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from speedllm.checkpoint.dcp import latest_checkpoint, load_checkpoint
-from speedllm.config import register_configs
-from speedllm.config.schema import ROOT
+from speedllm.config import compose_config
 from speedllm.errors import UserError
 from speedllm.runtime import Runtime
 from speedllm.train.loop import build_model, run, train_step
 from speedllm.train.metrics import flops_per_token
 from speedllm.train.optimizer import build_optimizer
 from speedllm.train.schedule import build_scheduler
+
+pytestmark = pytest.mark.numerics
 
 # A 2-layer, 64-wide Qwen3 on 32-token sequences: 2 micro-batches of 2 per step (gradient accumulation).
 TINY = ["model=qwen3_tiny", "model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2",
@@ -35,10 +35,7 @@ TINY = ["model=qwen3_tiny", "model.hidden_size=64", "model.intermediate_size=128
 
 
 def config(run_dir: Path, *overrides):
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose("config", overrides=[*TINY, f"run_dir={run_dir}", f"checkpoint.dir={run_dir}/checkpoints",
-                                           *overrides])
+    cfg = compose_config(*TINY, f"run_dir={run_dir}", f"checkpoint.dir={run_dir}/checkpoints", *overrides)
     OmegaConf.resolve(cfg)
     return cfg
 
@@ -179,15 +176,15 @@ def test_sigterm_saves_a_checkpoint_that_resumes(tmp_path):
     assert [r["loss"] for r in resumed] == [r["loss"] for r in expected]
 
 
-def test_elastic_restart_resumes_after_a_rank_is_killed(tmp_path):
+def test_elastic_restart_resumes_after_a_rank_is_killed(tmp_path, launch, launch_argv):
     """launcher.max_restarts=1: SIGKILL one rank of a dp2 run mid-training; the elastic agent restarts the job,
     which resumes from the latest checkpoint and finishes; its losses equal an uninterrupted dp2 run's."""
     steps = 12
-    common = [sys.executable, str(ROOT / "launch.py"), *TINY, "parallel=dp2", "checkpoint.every=2",
-              f"train.steps={steps}"]
+    common = [*TINY, "parallel=dp2", "checkpoint.every=2", f"train.steps={steps}"]
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
-    subprocess.run([*common, f"hydra.run.dir={ref_dir}"], check=True, capture_output=True, timeout=600)
-    proc = subprocess.Popen([*common, "launcher.max_restarts=1", f"hydra.run.dir={run_dir}"],
+    code, _, err = launch(ref_dir, *common, timeout=600)
+    assert code == 0, err
+    proc = subprocess.Popen(launch_argv(run_dir, *common, "launcher.max_restarts=1"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
     while not (run_dir / "checkpoints" / "step_00000004").is_dir():  # two checkpoints in: kill a rank
@@ -205,28 +202,26 @@ def test_elastic_restart_resumes_after_a_rank_is_killed(tmp_path):
     assert max(losses) == steps
 
 
-@pytest.mark.parametrize("optim,target,lr", [("sgd", "torch.optim.SGD", 0.5), ("adafactor", "torch.optim.Adafactor", 0.05)])
-def test_other_optimizers_train_from_the_command_line_and_resume_only_with_themselves(optim, target, lr, tmp_path):
-    def launch(*overrides):
-        return subprocess.run([sys.executable, str(ROOT / "launch.py"), *TINY, f"hydra.run.dir={tmp_path}",
-                               *overrides], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-
-    proc = launch(f"optim={optim}", f"optim.lr={lr}", "train.steps=8", "optim.warmup_steps=0", "optim.schedule=constant")
-    assert proc.returncode == 0, proc.stderr
+@pytest.mark.parametrize("optim,target,lr", [("sgd", "torch.optim.SGD", 0.5),
+                                             ("adafactor", "torch.optim.Adafactor", 0.05)])
+def test_other_optimizers_train_from_the_command_line_and_resume_only_with_themselves(optim, target, lr, tmp_path,
+                                                                                     launch):
+    code, _, err = launch(tmp_path, *TINY, f"optim={optim}", f"optim.lr={lr}", "train.steps=8",
+                          "optim.warmup_steps=0", "optim.schedule=constant")
+    assert code == 0, err
     assert OmegaConf.load(tmp_path / "config.yaml").optim._target_ == target
     losses = [r["loss"] for r in metrics(tmp_path)]
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.2  # it learns
-    proc = launch("optim=adamw", "train.steps=10", "checkpoint.load=auto")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == (
+    code, _, err = launch(tmp_path, *TINY, "optim=adamw", "train.steps=10", "checkpoint.load=auto")
+    assert code == 2
+    assert err.strip().splitlines()[-1] == (
         f"error: checkpoint {tmp_path}/checkpoints/step_00000008 was saved with optimizer {target} but this run uses "
         "torch.optim.AdamW (optim=adamw); resume with the optimizer it was saved with, or start from its weights "
         "with task=convert convert.to=hf and checkpoint.load_hf")
 
 
-def test_an_optimizer_target_that_does_not_import_is_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), *TINY, f"hydra.run.dir={tmp_path}",
-                           "optim._target_=torch.optim.NoSuchOptimizer"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith(
+def test_an_optimizer_target_that_does_not_import_is_one_line(tmp_path, launch):
+    code, _, err = launch(tmp_path, *TINY, "optim._target_=torch.optim.NoSuchOptimizer")
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(
         "error: optim._target_=torch.optim.NoSuchOptimizer cannot be imported (")

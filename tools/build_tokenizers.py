@@ -1,4 +1,4 @@
-"""Build the bundled tokenizers under assets/tokenizers/ (run once; nothing here runs at training time).
+"""Build the bundled tokenizers under speedllm/assets/tokenizers/ (run once; nothing here runs at training time).
 
 qwen3: the real Qwen3 tokenizer, converted from the BPE ranks file `qwen.tiktoken` shipped in the PyPI
        package `dashscope` (151,643 regular tokens) plus Qwen3's 26 added tokens at their exact ids.
@@ -21,8 +21,8 @@ from tokenizers.trainers import BpeTrainer
 from tiktoken.load import load_tiktoken_bpe
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-ROOT = Path(__file__).resolve().parents[1]
-ASSETS = ROOT / "assets"
+from speedllm.paths import ASSETS, ROOT
+
 PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -116,7 +116,7 @@ def tiktoken_to_bpe(ranks_file: str) -> Tokenizer:
 
 
 def build_qwen3(ranks_file: str) -> None:
-    """assets/tokenizers/qwen3 from the original ranks file, which is copied beside it."""
+    """speedllm/assets/tokenizers/qwen3 from the original ranks file, which is copied beside it."""
     tok = tiktoken_to_bpe(ranks_file)
     qwen_pipeline(tok)
     assert tok.get_vocab_size(with_added_tokens=False) == 151643
@@ -129,7 +129,7 @@ def build_qwen3(ranks_file: str) -> None:
 
 
 def build_demo() -> None:
-    """assets/tokenizers/demo: BPE trained on the bundled corpus (run tools/build_corpus.py first)."""
+    """speedllm/assets/tokenizers/demo: BPE trained on the bundled corpus (run tools/build_corpus.py first)."""
     tok = Tokenizer(BPE(fuse_unk=False))
     qwen_pipeline(tok)
     trainer = BpeTrainer(

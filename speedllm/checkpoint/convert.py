@@ -45,7 +45,8 @@ def hf_to_dcp(path: str, out: str, cfg: DictConfig) -> Path:
     from safetensors import safe_open
     from tqdm import tqdm
 
-    from speedllm.config.schema import ASSETS, ModelConfig
+    from speedllm.config.schema import ModelConfig
+    from speedllm.paths import ASSETS
 
     out_root = Path(out)
     if out_root.exists() and any(out_root.iterdir()):

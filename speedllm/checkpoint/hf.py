@@ -24,6 +24,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
+from speedllm.config.schema import ModelConfig
 from speedllm.errors import UserError, reading
 from speedllm.models.hf_adapter import hf_config, model_config_from_hf, to_hf_state_dict
 from speedllm.outputs import MARKER, make_scratch_dir
@@ -65,8 +66,6 @@ def read_hf_config(path: str) -> dict:
 
 
 def _model_defaults() -> dict:
-    from speedllm.config.schema import ModelConfig
-
     return {f.name: f.default_factory() if f.default_factory is not MISSING else f.default for f in fields(ModelConfig)}
 
 

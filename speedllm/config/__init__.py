@@ -1,3 +1,39 @@
-from speedllm.config.schema import RunConfig, register_configs
+"""The run config: typed schema (schema.py), cross-field rules (validate.py) and its registration with Hydra."""
 
-__all__ = ["RunConfig", "register_configs"]
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from speedllm.config.schema import OPTIMIZERS, RunConfig
+from speedllm.paths import ASSETS, CONF
+
+
+def _hf_model(path, key):
+    """`${hf_model:<HF dir>,<field>}`: one ModelConfig field read from an HF config.json (conf/model/hf.yaml)."""
+    from speedllm.checkpoint.hf import hf_model_field
+
+    return hf_model_field(path, key)
+
+
+def register_configs() -> None:
+    """Register the root schema, the `${asset:...}` resolver (absolute path under the bundled assets) and
+    `${hf_model:...}`."""
+    if not OmegaConf.has_resolver("asset"):
+        OmegaConf.register_new_resolver("asset", lambda rel: str(ASSETS / rel))
+    if not OmegaConf.has_resolver("hf_model"):
+        OmegaConf.register_new_resolver("hf_model", _hf_model, use_cache=True)
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    for schema in OPTIMIZERS.values():
+        cs.store(group="optim", name=f"{schema.name}_schema", node=schema)
+
+
+def compose_config(*overrides: str) -> DictConfig:
+    """The run config `speedllm <overrides>` would compose (no launch, no validation)."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
+__all__ = ["RunConfig", "compose_config", "register_configs"]

@@ -7,13 +7,7 @@ value of the wrong type is rejected before anything runs. Cross-field rules live
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from hydra.core.config_store import ConfigStore
-from pathlib import Path
-
 from omegaconf import MISSING, OmegaConf
-
-ROOT = Path(__file__).resolve().parents[2]
-ASSETS = ROOT / "assets"
 
 
 @dataclass
@@ -275,25 +269,6 @@ class RunConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     seed: int = 1234
     run_dir: str = "${hydra:runtime.output_dir}"
-
-
-def _hf_model(path, key):
-    """`${hf_model:<HF dir>,<field>}`: one ModelConfig field read from an HF config.json (conf/model/hf.yaml)."""
-    from speedllm.checkpoint.hf import hf_model_field
-
-    return hf_model_field(path, key)
-
-
-def register_configs() -> None:
-    """Register the root schema and the `${asset:...}` resolver (absolute path under assets/)."""
-    if not OmegaConf.has_resolver("asset"):
-        OmegaConf.register_new_resolver("asset", lambda rel: str(ASSETS / rel))
-    if not OmegaConf.has_resolver("hf_model"):
-        OmegaConf.register_new_resolver("hf_model", _hf_model, use_cache=True)
-    cs = ConfigStore.instance()
-    cs.store(name="run_schema", node=RunConfig)
-    for schema in OPTIMIZERS.values():
-        cs.store(group="optim", name=f"{schema.name}_schema", node=schema)
 
 
 def typed(cfg) -> RunConfig:

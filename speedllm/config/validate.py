@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from speedllm.config.rules import divisors, inference_layout_errors, layout_errors
 from speedllm.errors import UserError
+from speedllm.hardware import DTYPES
 from speedllm.ops import IMPLEMENTATIONS
 from speedllm.train.schedule import SCHEDULES
 
@@ -19,7 +20,7 @@ CHOICES = {
     "hardware.device": ("cpu", "cuda", "npu"),
     "hardware.backend": ("gloo", "nccl", "hccl"),
     "hardware.ops": IMPLEMENTATIONS,
-    "hardware.dtype": ("float32", "bfloat16", "float16"),
+    "hardware.dtype": tuple(DTYPES),
     "parallel.pp_schedule": ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"),
     "train.recompute": ("none", "selective", "full"),
     "optim.schedule": SCHEDULES,
@@ -294,15 +295,6 @@ def check_paths(cfg: DictConfig) -> None:
             raise UserError(f"task=convert convert.to={cfg.convert.to} needs {need}")
 
 
-def check_tokenizer(cfg: DictConfig) -> None:
-    from speedllm.data.tokenizer import tokenizer_vocab_size
-
-    size = tokenizer_vocab_size(cfg.data.tokenizer)
-    if size > cfg.model.vocab_size:
-        raise UserError(f"data.tokenizer={cfg.data.tokenizer} has {size} tokens but model {cfg.model.name} has "
-                        f"vocab_size={cfg.model.vocab_size}; use the model's tokenizer or a model with a larger vocab")
-
-
 def check_hf_model(cfg: DictConfig) -> None:
     """model=hf needs checkpoint.load_hf; any other model= must agree with the config.json it loads.
 
@@ -349,4 +341,6 @@ def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
         if not cfg.task.in_process:
             check_device(cfg, nproc_per_node)
         if cfg.task.name not in ("doctor", "convert", "preprocess"):  # preprocess uses no model
-            check_tokenizer(cfg)
+            from speedllm.data.loader import check_vocab
+
+            check_vocab(cfg)

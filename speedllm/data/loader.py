@@ -7,7 +7,7 @@ are exactly the B*R consecutive samples a single process with micro_batch_size=B
 global step of G calls covers the same samples under any dp_size with the same B*R*G.
 
 Batches are dicts of int64 tensors [B, S]: `tokens`, `labels` (label of position t is token t+1,
--100 where there is no loss), and for packed SFT `position_ids` (restart at 0 per sample) and
+IGNORE_INDEX where there is no loss), and for packed SFT `position_ids` (restart at 0 per sample) and
 `document_ids` (one id per sample within a row). `state_dict()` is {"consumed_samples": n}: the same on
 every rank and valid under another dp_size as long as n is a multiple of the new B*R.
 """
@@ -21,11 +21,11 @@ from typing import Dict
 import numpy as np
 import torch
 
-from speedllm.config.schema import ASSETS
 from speedllm.data.datasets import build_pretrain_dataset, parse_data_path
 from speedllm.data.indexed import exists
 from speedllm.data.tokenizer import load_tokenizer, tokenizer_vocab_size
 from speedllm.errors import UserError
+from speedllm.paths import ASSETS
 
 DEMO_CORPUS = ASSETS / "corpus" / "shakespeare.jsonl.xz"
 
@@ -40,10 +40,9 @@ def check_vocab(cfg, path=None) -> None:
             sources.append((f"{prefix}.bin (see {meta.name})", json.loads(meta.read_text())["vocab_size"]))
     for what, size in sources:
         if size > cfg.model.vocab_size:
-            raise UserError(
-                f"{what}: {size} token ids but model.vocab_size={cfg.model.vocab_size} — "
-                "pick a model whose vocabulary covers the tokenizer, or data tokenized for this model"
-            )
+            raise UserError(f"{what} has {size} token ids but model {cfg.model.name} has vocab_size="
+                            f"{cfg.model.vocab_size}; use the model's tokenizer (and data tokenized with it) or a "
+                            "model with a larger vocabulary")
 
 
 def _digest(paths) -> str:

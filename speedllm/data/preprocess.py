@@ -6,7 +6,7 @@ transparently. With several `data.text_key` entries, the present values are join
 The end-of-document token (`<|endoftext|>` when the tokenizer has it, else its eos) ends every document.
 
     python launch.py task=preprocess data.input='corpus/*.jsonl' data.output_prefix=out/corpus \\
-        data.tokenizer=assets/tokenizers/qwen3 data.workers=2
+        data.tokenizer='${asset:tokenizers/qwen3}' data.workers=2
 """
 
 import bz2

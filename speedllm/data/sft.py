@@ -16,8 +16,8 @@ import numpy as np
 from speedllm.data.datasets import split_range
 from speedllm.data.preprocess import expand_inputs, read_records
 from speedllm.errors import UserError
+from speedllm.ops import IGNORE_INDEX
 
-IGNORE = -100
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "observation": "tool", "tool": "tool", "function": "tool"}
 
@@ -205,7 +205,7 @@ def make_row(samples: SFTSamples, members: List[int], seq_len: int, pad_id: int)
     position predicts nothing, so no loss crosses into the next sample. Padding is its own document.
     """
     tokens = np.full(seq_len, pad_id, dtype=np.int64)
-    labels = np.full(seq_len, IGNORE, dtype=np.int64)
+    labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
     position_ids = np.arange(seq_len, dtype=np.int64)
     document_ids = np.full(seq_len, len(members), dtype=np.int64)
     at = 0
@@ -213,7 +213,7 @@ def make_row(samples: SFTSamples, members: List[int], seq_len: int, pad_id: int)
         ids, mask = samples.ids[i], samples.masks[i]
         n = len(ids)
         tokens[at:at + n] = ids
-        labels[at:at + n - 1] = np.where(mask[1:] == 1, ids[1:], IGNORE)
+        labels[at:at + n - 1] = np.where(mask[1:] == 1, ids[1:], IGNORE_INDEX)
         position_ids[at:at + n] = np.arange(n)
         document_ids[at:at + n] = doc
         at += n

@@ -14,7 +14,7 @@ def _check_dir(path: str) -> Path:
     if not (p / "tokenizer.json").is_file() and not (p / "tokenizer_config.json").is_file():
         raise UserError(
             f"data.tokenizer={path}: no tokenizer.json or tokenizer_config.json there — "
-            "point data.tokenizer at an HF tokenizer directory (e.g. assets/tokenizers/qwen3)"
+            "point data.tokenizer at an HF tokenizer directory (e.g. '${asset:tokenizers/qwen3}', the bundled one)"
         )
     return p
 

@@ -13,8 +13,9 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from speedllm.errors import UserError
+from speedllm.hardware import DTYPES
 from speedllm.infer.engine import TextStream, generate_ids
-from speedllm.infer.load import DTYPES, load_model, load_tokenizer, pad_id_of, stop_ids_of
+from speedllm.infer.load import load_model, load_tokenizer, pad_id_of, stop_ids_of
 from speedllm.infer.sampling import Sampling
 from speedllm.runtime import Runtime
 

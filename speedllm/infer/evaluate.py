@@ -18,9 +18,8 @@ from omegaconf import DictConfig
 
 from speedllm.errors import UserError
 from speedllm.infer.load import load_model
+from speedllm.ops import IGNORE_INDEX
 from speedllm.runtime import Runtime
-
-IGNORE = -100
 
 
 @torch.inference_mode()
@@ -41,7 +40,7 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
         batch = {k: v.to(rt.device) for k, v in batch.items()}
         extra = {k: batch[k] for k in ("position_ids", "document_ids") if k in batch}
         ce_sum, _ = model(batch["tokens"], labels=batch["labels"], **extra)
-        totals += torch.stack([ce_sum.double(), (batch["labels"] != IGNORE).sum().double()])
+        totals += torch.stack([ce_sum.double(), (batch["labels"] != IGNORE_INDEX).sum().double()])
     if group is not None:
         dist.all_reduce(totals, group=group)
     ce, num_targets = totals.tolist()  # a host sync: the timing below covers all the work

@@ -21,9 +21,10 @@ from omegaconf import DictConfig
 from torch import nn
 
 from speedllm.errors import UserError
+from speedllm.hardware import DTYPES
 from speedllm.outputs import write_text_atomic
 from speedllm.infer.engine import StopStrings, TextStream, generate_ids
-from speedllm.infer.load import DTYPES, load_model, load_tokenizer, pad_id_of, stop_ids_of
+from speedllm.infer.load import load_model, load_tokenizer, pad_id_of, stop_ids_of
 from speedllm.infer.sampling import Sampling
 from speedllm.runtime import Runtime
 

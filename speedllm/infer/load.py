@@ -12,7 +12,6 @@ from torch import nn
 
 from speedllm.errors import UserError
 from speedllm.hardware import DTYPES
-from speedllm.parallel.weights import tie_embeddings
 from speedllm.runtime import Runtime
 
 
@@ -79,7 +78,7 @@ def load_model(cfg: DictConfig, rt: Runtime) -> nn.Module:
         # No sequence parallel: a decode step has one token per row, nothing to split along the sequence.
         apply_tp(model, rt.mesh["tp"], sequence_parallel=False)
     model.to_empty(device=rt.device)
-    tie_embeddings(model)  # to_empty() unties shared weights
+    model.tie_embeddings()  # to_empty() unties shared weights
     load_weights(model, cfg)
     return model.eval()
 

@@ -28,7 +28,3 @@ class KVCache:
 
     def advance(self, num_tokens: int) -> None:
         self.pos += num_tokens
-
-    def reset(self) -> None:
-        self.pos = 0
-        self.key_mask.fill_(True)

@@ -122,13 +122,19 @@ class Qwen3(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, self.ops) for i in range(cfg.num_hidden_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.tie_embeddings()
         # RoPE frequencies are a function of the config, not state: computed here on the CPU (as transformers
         # does) and kept out of the state dict and out of meta-device construction; cos/sin are made per forward.
         self.inv_freq = 1.0 / (
             cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device="cpu") / cfg.head_dim)
         )
+
+    def tie_embeddings(self) -> None:
+        """Make lm_head use embed_tokens' weight when the config ties them and this model (or pipeline stage)
+        holds both; again after anything that gives parameters new tensors (to_empty(), tensor parallelism)."""
+        if self.cfg.tie_word_embeddings and self.lm_head is not None and self.embed_tokens is not None:
+            if self.lm_head.weight is not self.embed_tokens.weight:
+                self.lm_head.weight = self.embed_tokens.weight
 
     @torch.no_grad()
     def init_weights(self, seed: Optional[int] = None) -> None:
@@ -182,7 +188,7 @@ class Qwen3(nn.Module):
         return mask.expand(B, 1, S, T)
 
     def forward(self, tokens, labels=None, position_ids=None, document_ids=None, attention_mask=None, kv_cache=None):
-        """Logits [B, S, V]; or with labels (already shifted, -100 = ignore) the pair (ce_sum, aux_loss).
+        """Logits [B, S, V]; or with labels (already shifted, IGNORE_INDEX = no loss) the pair (ce_sum, aux_loss).
 
         Args:
             tokens: [B, S] token ids, or [B, S, D] hidden states when `embed_tokens` is None (pipeline stage).

@@ -11,7 +11,7 @@ N rows, D features, O output features, E experts, V vocabulary):
                                                            bool [B, 1, S, T] tensor, True = may attend
   swiglu(gate, up) -> silu(gate) * up
   grouped_mm(x_ND, w_EOD, counts_E) -> y_NO                 rows of x grouped by expert in order; group e uses w[e]
-  cross_entropy(logits_NV, labels_N) -> fp32 scalar         SUM over labels != -100
+  cross_entropy(logits_NV, labels_N) -> fp32 scalar         SUM over labels != IGNORE_INDEX
 """
 
 import importlib
@@ -20,6 +20,7 @@ from typing import Callable
 
 
 IMPLEMENTATIONS = ("reference", "cuda", "npu")
+IGNORE_INDEX = -100  # a label that takes no loss (padding, prompt tokens); the value transformers uses
 
 
 @dataclass(frozen=True)

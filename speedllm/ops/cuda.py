@@ -7,6 +7,8 @@ the fused kernels.
 import torch
 import torch.nn.functional as F
 
+from speedllm.ops import IGNORE_INDEX
+
 from speedllm.ops.reference import rotary, swiglu  # torch has no fused kernel for these; the eager form is it
 
 __all__ = ["rms_norm", "rotary", "attention", "swiglu", "grouped_mm", "cross_entropy"]
@@ -31,4 +33,4 @@ def grouped_mm(x_ND: torch.Tensor, w_EOD: torch.Tensor, counts_E: torch.Tensor) 
 
 
 def cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits_NV.float(), labels_N, ignore_index=-100, reduction="sum")
+    return F.cross_entropy(logits_NV.float(), labels_N, ignore_index=IGNORE_INDEX, reduction="sum")

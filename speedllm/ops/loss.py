@@ -10,6 +10,8 @@ and nothing is recomputed.
 
 import torch
 
+from speedllm.ops import IGNORE_INDEX
+
 _WORKSPACE = {}  # device -> reused fp32 buffer for one chunk's logits (CPU only, see _logits_buffer)
 
 
@@ -36,7 +38,7 @@ def _loss_and_grad_(logits_NV: torch.Tensor, labels_N: torch.Tensor):
     max / subtract / exp / sum / divide); exp_ then turns the log-probabilities into the softmax. Other
     devices (torch_npu) make no such promise and get a copy.
     """
-    keep = (labels_N != -100).unsqueeze(1)
+    keep = (labels_N != IGNORE_INDEX).unsqueeze(1)
     targets = labels_N.clamp(min=0).unsqueeze(1)
     if logits_NV.device.type in ("cpu", "cuda"):
         logprobs = torch.log_softmax(logits_NV, dim=1, out=logits_NV)
@@ -87,7 +89,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def chunked_cross_entropy(hidden_ND, weight_VD, labels_N, chunk_size, cross_entropy):
-    """Sum of token cross-entropies of `hidden_ND @ weight_VD.T` against `labels_N` (-100 = ignore), fp32.
+    """Sum of token cross-entropies of `hidden_ND @ weight_VD.T` against `labels_N` (IGNORE_INDEX = no loss), fp32.
 
     Args:
         chunk_size: tokens projected at once; the extra memory is about chunk_size x vocab x 4 bytes.

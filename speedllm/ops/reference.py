@@ -9,6 +9,8 @@ as the written-out formula the tests hold `attention` against.
 import torch
 import torch.nn.functional as F
 
+from speedllm.ops import IGNORE_INDEX
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) * weight, statistics in fp32, the product in the input dtype (as transformers' Qwen3RMSNorm)."""
@@ -59,8 +61,8 @@ def grouped_mm(x_ND: torch.Tensor, w_EOD: torch.Tensor, counts_E: torch.Tensor) 
 
 
 def cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor) -> torch.Tensor:
-    """Sum of -log softmax(logits)[label] over rows whose label is not -100, in fp32."""
+    """Sum of -log softmax(logits)[label] over rows whose label is not IGNORE_INDEX, in fp32."""
     logits = logits_NV.float()
-    keep = labels_N != -100
+    keep = labels_N != IGNORE_INDEX
     picked = logits.gather(1, labels_N.clamp(min=0).unsqueeze(1)).squeeze(1)
     return ((torch.logsumexp(logits, dim=-1) - picked) * keep).sum()

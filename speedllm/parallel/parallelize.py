@@ -150,11 +150,11 @@ def materialize(pm: ParallelModel, dims: ParallelDims, device: torch.device) -> 
     from torch.distributed.fsdp import FSDPModule
 
     from speedllm.parallel.tensor import shard_embedding_grad
-    from speedllm.parallel.weights import init_from_rank0, tie_embeddings
+    from speedllm.parallel.weights import init_from_rank0
 
     for part in pm.parts:
         part.to_empty(device=device)
-        tie_embeddings(part)
+        part.tie_embeddings()
         if dims.tp > 1 and not isinstance(part, FSDPModule):  # FSDP: its own
             shard_embedding_grad(part)
     if pm.pipeline is not None:

@@ -23,6 +23,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from torch.distributed.tensor import DTensor, Shard
 
 from speedllm.config.rules import V_SCHEDULES
+from speedllm.hardware import DTYPES
 
 
 
@@ -213,7 +214,7 @@ def _losses_as_vectors(module, args, output):
     return tuple(t.reshape(1) for t in output) if isinstance(output, tuple) else output
 
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPES = tuple(DTYPES.values())  # a dtype travels in the header as its index here
 
 
 def _send(t: torch.Tensor, dst: Optional[int], group, broadcast: bool = False) -> None:

@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from speedllm.ops import IGNORE_INDEX
 from speedllm.ops.loss import ChunkedLinearCrossEntropy
 
 
@@ -84,7 +85,7 @@ def _vocab_parallel_chunk(logits, labels_N, vocab_start, group):
     probs = logits.sub_(max_N[:, None]).exp_()  # logits' storage becomes the softmax, then the gradient
     sums = torch.stack([probs.sum(dim=1), picked_N])
     dist.all_reduce(sums, group=group)
-    keep = labels_N != -100
+    keep = labels_N != IGNORE_INDEX
     loss = ((sums[0].log() + max_N - sums[1]) * keep).sum()
     probs.div_(sums[0][:, None])
     probs.scatter_add_(1, local_labels, -mine.float()[:, None])
@@ -128,10 +129,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> 
 
     Training needs the model built with `output_loss=vocab_parallel_output_loss` (speedllm.parallel.output_loss_for).
     """
-    tied = model.cfg.tie_word_embeddings and model.lm_head is not None and model.embed_tokens is not None
     plan = {name: style for name, style in root_plan(sequence_parallel).items() if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, plan)
-    if tied:
-        model.lm_head.weight = model.embed_tokens.weight  # distributed separately above; one tensor again
+    model.tie_embeddings()  # distributed separately above; one tensor again
     for layer in model.layers.values():
         parallelize_module(layer, tp_mesh, layer_plan(sequence_parallel))

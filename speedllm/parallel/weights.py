@@ -24,15 +24,8 @@ def _full_model(model_cfg, device: torch.device) -> nn.Module:
         model = Qwen3(model_cfg)
     if device.type != "meta":
         model.to_empty(device=device)
-        tie_embeddings(model)  # to_empty() unties shared weights
+        model.tie_embeddings()  # to_empty() unties shared weights
     return model
-
-
-def tie_embeddings(model: nn.Module) -> None:
-    """Re-tie lm_head to embed_tokens when the config ties them and this module holds both."""
-    if model.cfg.tie_word_embeddings and model.lm_head is not None and model.embed_tokens is not None:
-        if model.lm_head.weight is not model.embed_tokens.weight:
-            model.lm_head.weight = model.embed_tokens.weight
 
 
 @torch.no_grad()

@@ -114,18 +114,6 @@ def optimizer_states(optimizer: torch.optim.Optimizer) -> list:
     return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
 
 
-def compose_config(overrides):
-    """The run config `python launch.py <overrides>` would compose (no launch, no validation)."""
-    from hydra import compose, initialize_config_dir
-
-    from speedllm.config import register_configs
-    from speedllm.config.schema import ROOT
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        return compose("config", overrides=list(overrides))
-
-
 def measure_training_step(cfg, rt) -> dict:
     """Build the model as training does, take one step, then measure a second one on this rank.
 
@@ -165,9 +153,10 @@ def _rank_main(rank: int, world: int, port: int, overrides: list, out: str) -> N
     torch.set_num_threads(1)
     import torch.distributed as dist
 
+    from speedllm.config import compose_config
     from speedllm.runtime import init_runtime
 
-    cfg = compose_config(overrides)
+    cfg = compose_config(*overrides)
     p = cfg.parallel
     p.dp = world // (p.tp * p.pp * p.cp)
     cfg.run_dir = out

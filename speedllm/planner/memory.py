@@ -24,10 +24,10 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from speedllm.hardware import DTYPES
 from speedllm.parallel.pipeline import stages_of_rank
 from speedllm.planner.layout import Layout
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MASTER_BYTES = 4  # fp32 master weights and fp32 gradient reduction (the mixed-precision policy)
 GIB = 2**30
 UPDATE_TEMPORARIES = 0.8  # foreach AdamW's intermediate tensors, in units of the fp32 parameters
@@ -349,7 +349,7 @@ def rank_memory(m, layout: Layout, sp: StageParams, pp_rank: int, seq_len: int,
         tp_dims: whether the TP plan splits (the MLP width, the experts' width, the vocabulary), see tp_facts.
         device: the profile's device type; on cpu the loss keeps its logits buffer through the step (`kept`).
     """
-    e = DTYPE_BYTES[dtype]
+    e = DTYPES[dtype].itemsize
     num_micro = global_batch // (layout.micro_batch * layout.dp)
     mem = Memory(pp_rank=pp_rank)
     mem.params = sp.sharded * MASTER_BYTES

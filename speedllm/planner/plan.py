@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from speedllm.planner.layout import layout_from_config
 from speedllm.planner.memory import GIB
 from speedllm.planner.search import Estimate, Planner, SearchResult, problem_from_config
+from speedllm.runtime import under_torchrun
 
 COMPONENTS = ("params", "grads", "grad_accum", "optimizer", "activations", "buffers")
 HEADER = (f"{'#':>3}  {'layout':<34} {'GiB/dev':>7}  {'params':>6} {'grads':>6} {'accum':>6} {'optim':>6} "
@@ -23,8 +24,6 @@ HEADER = (f"{'#':>3}  {'layout':<34} {'GiB/dev':>7}  {'params':>6} {'grads':>6} 
 def device_count(cfg: DictConfig) -> int:
     """Devices the plan is for: torchrun's world, else nnodes x nproc_per_node (x the profile's devices per
     node when nproc_per_node is 0)."""
-    from speedllm.launcher import under_torchrun
-
     if under_torchrun():
         return int(os.environ["WORLD_SIZE"])
     per_node = cfg.launcher.nproc_per_node or cfg.hardware.devices_per_node

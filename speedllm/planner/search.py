@@ -16,9 +16,10 @@ from typing import Dict, List, Optional
 from omegaconf import OmegaConf
 
 from speedllm.config.rules import divisors, layout_errors
+from speedllm.hardware import DTYPES
 from speedllm.planner.layout import Layout, stage_layers
-from speedllm.planner.memory import (DTYPE_BYTES, GIB, Memory, adamw_state_numel, layer_activation_bytes,
-                                     model_tensors, rank_memory, rank_params, tp_facts)
+from speedllm.planner.memory import (GIB, Memory, adamw_state_numel, layer_activation_bytes, model_tensors,
+                                     rank_memory, rank_params, tp_facts)
 from speedllm.planner.timing import StepTime, step_time
 from speedllm.train.metrics import flops_per_token
 from speedllm.train.optimizer import state_numel
@@ -107,7 +108,7 @@ class Planner:
         busiest = max(stages, key=lambda sp: sp.gathered)
         selective = 0.0
         if layout.recompute == "selective":
-            e = DTYPE_BYTES[p.hardware.dtype]
+            e = DTYPES[p.hardware.dtype].itemsize
             kept = Layout(**{**layout.__dict__, "recompute": "none"})
             moe = m.num_experts > 0
             ops = p.hardware.ops
@@ -165,7 +166,7 @@ class Planner:
         schedule) whose weights in the compute dtype and KV cache for `batch` sequences of seq_len +
         `new_tokens` fit; the remaining devices replicate it (dp)."""
         m, p = self.p.model, self.p
-        e = DTYPE_BYTES[p.hardware.dtype]
+        e = DTYPES[p.hardware.dtype].itemsize
         length = p.seq_len + new_tokens
         options = sorted((tp * pp, pp, tp) for tp in divisors(p.world) for pp in divisors(p.world // tp))
         for _, pp, tp in options:

@@ -11,8 +11,9 @@ reductions overlap with compute and only their excess shows.
 
 from dataclasses import dataclass
 
+from speedllm.hardware import DTYPES
 from speedllm.planner.layout import Layout
-from speedllm.planner.memory import DTYPE_BYTES, MASTER_BYTES, StageParams
+from speedllm.planner.memory import MASTER_BYTES, StageParams
 from speedllm.train.metrics import flops_per_token
 
 GEMM_HALF = 128  # rows / columns at which a matmul reaches half its best efficiency
@@ -67,7 +68,7 @@ def step_time(m, layout: Layout, hw, sp: StageParams, seq_len: int, global_batch
             (memory-bound elementwise work).
     """
     t = StepTime()
-    e = DTYPE_BYTES[hw.dtype]
+    e = DTYPES[hw.dtype].itemsize
     peak = hw.peak_tflops[hw.dtype] * 1e12
     world = layout.world
     tokens = global_batch * seq_len

@@ -6,7 +6,7 @@ accumulated over global_batch_size / (micro_batch_size * dp) micro-batches. The 
     + the MoE auxiliary loss averaged over micro-batches and ranks,
 exactly, whatever the split: each micro-batch's summed cross-entropy is divided by the step's global
 token count (counted up front), and the data-parallel gradient reduction sums instead of averaging.
-SFT is the same loop; its loader masks every label outside the assistant turns with -100.
+SFT is the same loop; its loader masks every label outside the assistant turns with IGNORE_INDEX.
 """
 
 import contextlib
@@ -26,6 +26,7 @@ from torch import nn
 from speedllm.checkpoint.dcp import latest_checkpoint, load_checkpoint, resolve_load, save_checkpoint
 from speedllm.checkpoint.hf import load_hf_weights
 from speedllm.hardware import DTYPES
+from speedllm.ops import IGNORE_INDEX
 from speedllm.parallel import ParallelModel, clip_grad_norm, materialize, output_loss_for, parallelize
 from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.faults import BadSteps, Preemption
@@ -33,8 +34,6 @@ from speedllm.train.metrics import MetricsLogger, flops_per_token, mfu, peak_mem
 from speedllm.train.optimizer import build_optimizer, check_resumable
 from speedllm.train.samples import print_samples
 from speedllm.train.schedule import build_scheduler
-
-IGNORE = -100
 
 
 def grad_accum_steps(train, dp_size: int) -> int:
@@ -75,8 +74,8 @@ def model_inputs(batch: Dict[str, torch.Tensor]) -> dict:
 
 
 def count_targets(micro_batches: List[dict], group) -> torch.Tensor:
-    """Target tokens (labels != -100) of the whole step, summed over the data-parallel ranks."""
-    count = sum((mb["labels"] != IGNORE).sum() for mb in micro_batches).to(torch.float32)
+    """Target tokens (labels != IGNORE_INDEX) of the whole step, summed over the data-parallel ranks."""
+    count = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches).to(torch.float32)
     if group is not None:
         dist.all_reduce(count, group=group)
     return count
@@ -140,7 +139,7 @@ def evaluate(pm: ParallelModel, cfg, dp_rank: int, dp_size: int, group, device, 
         batch = to_device(batch, device)
         with autocast:
             ce_sum, _ = pm(batch["tokens"], **model_inputs(batch))
-        totals += torch.stack([ce_sum.float(), (batch["labels"] != IGNORE).sum().float()])
+        totals += torch.stack([ce_sum.float(), (batch["labels"] != IGNORE_INDEX).sum().float()])
     pm.train()
     if group is not None:
         dist.all_reduce(totals, group=group)

@@ -17,13 +17,8 @@ from typing import Dict
 import torch
 from omegaconf import DictConfig
 
+from speedllm.models.qwen3 import is_moe_layer
 from speedllm.outputs import write_text_atomic
-
-
-def is_moe_layer(model: DictConfig, layer: int) -> bool:
-    """transformers' rule for which decoder layers of Qwen3-MoE use experts."""
-    return (model.num_experts > 0 and layer not in model.mlp_only_layers
-            and (layer + 1) % model.decoder_sparse_step == 0)
 
 
 def matmul_params_per_token(model: DictConfig) -> int:
