@@ -26,6 +26,7 @@ TASKS = {
     "sft": "speedllm.train.loop:run",
     "generate": "speedllm.infer.generate:run",
     "chat": "speedllm.infer.chat:run",
+    "serve": "speedllm.infer.serve:run",
     "evaluate": "speedllm.infer.evaluate:run",
     "preprocess": "speedllm.data.preprocess:run",
     "convert": "speedllm.checkpoint.convert:run",

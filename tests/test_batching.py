@@ -20,7 +20,7 @@ def run_requests(model, requests, max_batch, stop_ids=()):
     thread = threading.Thread(target=batcher.run)
     thread.start()
     for r in requests:
-        batcher.submit(r)
+        batcher.submit([r])
     for _ in requests:
         assert done.acquire(timeout=60)
     batcher.stop()

@@ -84,7 +84,7 @@ class HardwareConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = "pretrain"  # pretrain | sft | generate | chat | evaluate | preprocess | convert | plan | doctor
+    name: str = "pretrain"  # pretrain | sft | generate | chat | serve | evaluate | preprocess | convert | plan | doctor
 
 
 @dataclass
@@ -196,6 +196,17 @@ class EvaluateConfig:
 
 
 @dataclass
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch: int = 8  # requests decoded together (rows of the slot KV cache)
+    max_queue: int = 64  # requests waiting for a row; beyond it the server answers 503
+    max_len: int = 4096  # tokens per request, prompt + completion (capped at model.max_position_embeddings)
+    api_key: Optional[str] = None  # when set, clients must send "Authorization: Bearer <key>"
+    model_name: Optional[str] = None  # the served model's id; default: the HF directory's name or model.name
+
+
+@dataclass
 class ConvertConfig:
     to: str = "hf"  # hf | dcp
     out: Optional[str] = None
@@ -226,6 +237,7 @@ class RunConfig:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     convert: ConvertConfig = field(default_factory=ConvertConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     seed: int = 1234
     run_dir: str = "${hydra:runtime.output_dir}"

@@ -24,7 +24,8 @@ CHOICES = {
     "data.overlong": ("truncate", "drop"),
     "data.on_error": ("fail", "skip"),
     "convert.to": ("hf", "dcp"),
-    "task.name": ("pretrain", "sft", "generate", "chat", "evaluate", "preprocess", "convert", "plan", "doctor"),
+    "task.name": ("pretrain", "sft", "generate", "chat", "serve", "evaluate", "preprocess", "convert", "plan",
+                  "doctor"),
 }
 INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 # Tasks that plan for or convert between machines: they run in one process and need no devices.

@@ -112,20 +112,21 @@ class Batcher:
         self._stopping = False
 
     # ----------------------------------------------------------------- any thread
-    def submit(self, request: Request) -> None:
-        """Queue a request (QueueFull when max_queue are already waiting)."""
-        if not request.sampling.greedy:
-            request.generator = torch.Generator(device=self.device)
-            if request.seed is None:
-                request.generator.seed()
-            else:
-                request.generator.manual_seed(request.seed)
-        if request.stop:
-            request.stop_strings = StopStrings(self.tokenizer, request.stop)
+    def submit(self, requests: List[Request]) -> None:
+        """Queue requests, all or none (QueueFull when more than max_queue would be waiting)."""
+        for request in requests:
+            if not request.sampling.greedy:
+                request.generator = torch.Generator(device=self.device)
+                if request.seed is None:
+                    request.generator.seed()
+                else:
+                    request.generator.manual_seed(request.seed)
+            if request.stop:
+                request.stop_strings = StopStrings(self.tokenizer, request.stop)
         with self._cond:
-            if len(self._waiting) >= self.max_queue:
+            if len(self._waiting) + len(requests) > self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting (serve.max_queue={self.max_queue})")
-            self._waiting.append(request)
+            self._waiting.extend(requests)
             self._cond.notify()
 
     def stop(self) -> None:
@@ -133,6 +134,14 @@ class Batcher:
         with self._cond:
             self._stopping = True
             self._cond.notify()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
 
     # ----------------------------------------------------------------- the batcher's thread
     def run(self, idle_s: float = 30.0) -> None:
