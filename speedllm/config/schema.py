@@ -191,8 +191,15 @@ class GenerateConfig:
 
 @dataclass
 class EvaluateConfig:
+    # perplexity over a split of data= (when tasks is empty)
     split: str = "valid"
     steps: int = 20
+    # lm-eval task suites (the .[eval] extra): names, local task YAMLs, few-shot examples, samples per task
+    tasks: List[str] = field(default_factory=list)
+    include_path: Optional[str] = None
+    num_fewshot: Optional[int] = None
+    limit: Optional[float] = None  # samples per task (a fraction when < 1)
+    batch_size: int = 8
 
 
 @dataclass
