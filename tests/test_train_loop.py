@@ -51,7 +51,7 @@ def metrics(run_dir: Path, split: str = None) -> list:
 def saved_model(path: Path) -> dict:
     """Model weights of a checkpoint, loaded into a fresh model (by DCP, as a resume would)."""
     cfg = OmegaConf.load(path / "config.yaml")
-    model = build_model(cfg, Runtime())
+    model = build_model(cfg, Runtime()).module
     load_checkpoint(path, model, build_optimizer(model, cfg.optim))
     return model.state_dict()
 
@@ -105,7 +105,8 @@ def test_metrics_jsonl_tensorboard_and_mfu(straight):
 
 def test_nonfinite_step_is_skipped(tmp_path):
     cfg = config(tmp_path)
-    model = build_model(cfg, Runtime())
+    pm = build_model(cfg, Runtime())
+    model = pm.module
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, 10)
     torch.manual_seed(0)
@@ -113,13 +114,13 @@ def test_nonfinite_step_is_skipped(tmp_path):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         model.norm.weight[0] = math.nan
-    loss, grad_norm, ok = train_step(model, optimizer, scheduler, batch, cfg, 1, None, torch.autocast("cpu", enabled=False))
+    loss, grad_norm, ok = train_step(pm, optimizer, scheduler, batch, cfg, 1, None, torch.autocast("cpu", enabled=False))
     assert not ok and math.isnan(loss)
     assert optimizer.state == {} and all(p.grad is None for p in model.parameters())
     with torch.no_grad():
         model.norm.weight[0] = 1.0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing was updated
-    loss, grad_norm, ok = train_step(model, optimizer, scheduler, batch, cfg, 1, None, torch.autocast("cpu", enabled=False))
+    loss, grad_norm, ok = train_step(pm, optimizer, scheduler, batch, cfg, 1, None, torch.autocast("cpu", enabled=False))
     assert ok and math.isfinite(loss) and len(optimizer.state) > 0
 
 
