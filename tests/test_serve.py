@@ -4,6 +4,8 @@ usage is exact, bad requests get OpenAI-shaped 400s, concurrent clients get thei
 client leaving mid-stream frees its row, SIGTERM stops the server."""
 
 import asyncio
+import contextlib
+import os
 import shutil
 import signal
 import socket
@@ -46,28 +48,41 @@ def wait_healthy(url, proc, timeout=180):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """A tiny random Qwen3 saved by transformers, served by task=serve in a subprocess."""
+def hf_dir(tmp_path_factory):
+    """A tiny random Qwen3 saved by transformers (with the demo tokenizer), and that model."""
     path = tmp_path_factory.mktemp("hf")
     tok = load_tokenizer(str(DEMO_TOKENIZER))
     hf, _ = build_pair(tiny_cfg(vocab_size=len(tok), tie_word_embeddings=True), seed=9)
     hf.save_pretrained(path)
     for f in DEMO_TOKENIZER.iterdir():
         shutil.copy(f, path)
+    return path, hf, tok
+
+
+@contextlib.contextmanager
+def serving(path, *overrides):
+    """task=serve on the HF dir in a subprocess (its own session): (process, base url, openai client)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "task=serve", "model=hf", "hardware=cpu",
                              f"checkpoint.load_hf={path}", f"serve.port={port}", f"serve.model_name={MODEL_ID}",
-                             "serve.max_batch=8", "serve.max_len=128", f"hydra.run.dir={path}/run"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=path)
+                             "serve.max_batch=8", "serve.max_len=128", f"hydra.run.dir={path}/run", *overrides],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=path,
+                            start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-        yield proc, url, client, hf, tok
+        yield proc, url, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def server(hf_dir):
+    path, hf, tok = hf_dir
+    with serving(path) as (proc, url, client):
+        yield proc, url, client, hf, tok
 
 
 def chat_ids(tok, content):
@@ -207,3 +222,26 @@ def test_a_full_queue_answers_503():
     error = asyncio.run(submit_three())
     assert error.status == 503 and error.body()["error"]["code"] == "queue_full"
     assert batcher.num_waiting == 2
+
+
+def session_alive(sid) -> bool:
+    return subprocess.run(["pgrep", "-s", str(sid)], capture_output=True).returncode == 0
+
+
+@pytest.mark.slow
+def test_tp2_serves_the_single_process_answers_and_stops_on_sigterm(hf_dir):
+    path, hf, tok = hf_dir
+    prompts = ["ROMEO:", "KING HENRY:\nWhat say you"]
+    expected = [text_of(tok, hf_greedy(hf, [tok.encode(p, add_special_tokens=False)], 12, eos=stop_ids(tok))[0])
+                for p in prompts]
+    with serving(path, "parallel=tp2") as (proc, _, client):
+        with ThreadPoolExecutor(2) as pool:  # together: rank 0 sends the other rank batched steps
+            answers = list(pool.map(lambda p: client.completions.create(
+                model=MODEL_ID, prompt=p, temperature=0, max_tokens=12).choices[0].text, prompts))
+        assert answers == expected
+        start = time.time()
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+        while session_alive(proc.pid) and time.time() - start < 30:
+            time.sleep(0.2)
+        assert not session_alive(proc.pid) and time.time() - start < 15

@@ -147,20 +147,22 @@ class Batcher:
     def run(self, idle_s: float = 30.0) -> None:
         """Serve until `stop`; with other ranks, an idle batcher sends them an empty step every idle_s (their
         collective would time out otherwise), and None at the end."""
-        while True:
-            with self._cond:
-                if not self.rows and not self._waiting and not self._stopping:
-                    self._cond.wait(timeout=idle_s)
-                if self._stopping:
-                    break
-                idle = not self.rows and not self._waiting
-            if idle:
-                self._execute(Step())
-            else:
-                self.step()
-        self._end_all()
-        if self.broadcast:
-            dist.broadcast_object_list([None], src=0)
+        try:
+            while True:
+                with self._cond:
+                    if not self.rows and not self._waiting and not self._stopping:
+                        self._cond.wait(timeout=idle_s)
+                    if self._stopping:
+                        break
+                    idle = not self.rows and not self._waiting
+                if idle:
+                    self._execute(Step())
+                else:
+                    self.step()
+            if self.broadcast:
+                dist.broadcast_object_list([None], src=0)
+        finally:
+            self._end_all()  # also when a step failed: no client waits forever
 
     def step(self) -> None:
         """One step: drop finished rows, admit waiting requests, run, choose and deliver the next tokens."""

@@ -10,6 +10,7 @@ parallelism rank 0 serves HTTP and schedules; every step goes to the other ranks
 """
 
 import asyncio
+import contextlib
 import json
 import signal
 import threading
@@ -224,6 +225,8 @@ class Server:
         finally:
             for r in requests:
                 r.cancelled = True  # a no-op for finished requests; frees the rows if this handler was cancelled
+        if any(r.finish_reason == "cancelled" for r in requests):
+            raise ApiError(503, "The server stopped before the completion was done", None, "shutting_down")
         choices = []
         for i, (r, text) in enumerate(zip(requests, texts)):
             content = text.extend(r.out_ids).finish()
@@ -353,7 +356,9 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
     max_len = min(s.max_len, cfg.model.max_position_embeddings)
     dtype, tp = DTYPES[cfg.hardware.dtype], cfg.parallel.tp
     if not rt.is_main:
-        serve_steps(model, new_slot_cache(model.cfg, s.max_batch, max_len, dtype, rt.device, tp))
+        # SIGTERM/SIGINT reach every rank; these follow rank 0, which stops them once its server is down.
+        with handle_signals(lambda: None):
+            serve_steps(model, new_slot_cache(model.cfg, s.max_batch, max_len, dtype, rt.device, tp))
         return
     tokenizer = load_tokenizer(cfg)
     batcher = Batcher(model, tokenizer, stop_ids_of(tokenizer), s.max_batch, max_len, s.max_queue, dtype, tp,
@@ -366,29 +371,34 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
     http = uvicorn.Server(config)
     print(f"serving {server.model_id} on http://{s.host}:{s.port}/v1 (max_batch {s.max_batch}, "
           f"{max_len} tokens per request)", flush=True)
-    try:
-        serve_until_signal(http)
-    finally:
+    stop = threading.Event()
+    http_thread = threading.Thread(target=http.run, name="http")
+    with handle_signals(stop.set):
+        http_thread.start()
+        # until SIGTERM/SIGINT, or either thread ends (a failed batcher step: its clients got an error)
+        while http_thread.is_alive() and thread.is_alive() and not stop.wait(0.2):
+            pass
+        batcher_failed = not thread.is_alive()
+        http.should_exit = True
+        http_thread.join()
         batcher.stop()
         thread.join()
     if not http.started:
         raise UserError(f"serve.host={s.host} serve.port={s.port}: could not listen there (see above); pick a "
                         "free port")
+    if batcher_failed:
+        raise RuntimeError("the batcher stopped after an error (traceback above)")
     print("server stopped", flush=True)
 
 
-def serve_until_signal(http) -> None:
-    """Run uvicorn in a thread until SIGTERM/SIGINT. (In the main thread its own handlers re-raise the signal
-    once it has shut down, which would end the process before the batcher and the other ranks stop.)"""
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-    thread = threading.Thread(target=http.run, name="http")
-    thread.start()
+@contextlib.contextmanager
+def handle_signals(handler):
+    """Call handler() on SIGTERM/SIGINT (main thread only). uvicorn runs in a thread, where it sets no handlers
+    of its own: in the main thread it re-raises the signal after shutting down, which would end the process
+    before the batcher and the other ranks stop."""
+    previous = {sig: signal.signal(sig, lambda *_: handler()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        while thread.is_alive() and not stop.wait(0.2):
-            pass
+        yield
     finally:
-        http.should_exit = True
-        thread.join()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
