@@ -23,7 +23,7 @@ from test_generate import DEMO_TOKENIZER, build_pair, hf_greedy, stop_ids, tiny_
 from speedllm.config.schema import ROOT
 from speedllm.data.tokenizer import load_tokenizer
 from speedllm.infer.batching import Batcher
-from speedllm.infer.serve import ApiError, Server
+from speedllm.infer.serve import ApiError, Server, build_app
 
 MODEL_ID = "tiny-qwen3"
 
@@ -206,8 +206,8 @@ def test_sigterm_stops_the_server(server):
 
 def test_a_full_queue_answers_503():
     """Requests wait while the batcher is not stepping; one past serve.max_queue gets a 503."""
-    _, ours = build_pair(tiny_cfg(), seed=1)
     tok = load_tokenizer(str(DEMO_TOKENIZER))
+    _, ours = build_pair(tiny_cfg(vocab_size=len(tok)), seed=1)
     batcher = Batcher(ours, tok, stop_ids(tok), max_batch=1, max_len=32, max_queue=2, dtype=torch.float32)
     server = Server(batcher, tok, MODEL_ID, 32, None, False)
 
@@ -222,6 +222,20 @@ def test_a_full_queue_answers_503():
     error = asyncio.run(submit_three())
     assert error.status == 503 and error.body()["error"]["code"] == "queue_full"
     assert batcher.num_waiting == 2
+
+
+def test_api_key_is_required_when_set():
+    from fastapi.testclient import TestClient
+
+    tok = load_tokenizer(str(DEMO_TOKENIZER))
+    _, ours = build_pair(tiny_cfg(vocab_size=len(tok)), seed=1)
+    batcher = Batcher(ours, tok, stop_ids(tok), max_batch=1, max_len=32, max_queue=2, dtype=torch.float32)
+    http = TestClient(build_app(Server(batcher, tok, MODEL_ID, 32, "s3cret", False)))
+    response = http.get("/v1/models")
+    assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    response = http.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
+    assert response.status_code == 200 and response.json()["data"][0]["id"] == MODEL_ID
+    assert http.get("/health").status_code == 200  # health checks need no key
 
 
 def session_alive(sid) -> bool:

@@ -176,7 +176,7 @@ class Server:
             raise ApiError(400, "prompt must be a string (or one list of token ids)", "prompt", "invalid_value")
         if not ids:
             raise ApiError(400, "prompt is empty", "prompt", "invalid_value")
-        if max(ids) >= len(self.tokenizer) or min(ids) < 0:
+        if max(ids) >= self.batcher.model.cfg.vocab_size or min(ids) < 0:
             raise ApiError(400, "prompt holds token ids outside the vocabulary", "prompt", "invalid_value")
         return ids
 
