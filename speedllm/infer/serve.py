@@ -115,8 +115,9 @@ class Server:
             raise ApiError(400, f"The model `{model}` does not exist; this server serves `{self.model_id}`",
                            "model", "model_not_found")
 
-    def sampling_of(self, body: dict, prompt_len: int) -> dict:
-        """Sampling settings, limits and stops of a request, checked."""
+    def sampling_of(self, body: dict, prompt_len: int, chat: bool) -> dict:
+        """Sampling settings, limits and stops of a request, checked. max_tokens defaults as OpenAI's: the rest
+        of the context for chat, 16 for a completion."""
         temperature = _number(body, "temperature", 1.0, float, lambda v: 0 <= v <= 2, "0 <= temperature <= 2")
         top_p = _number(body, "top_p", 1.0, float, lambda v: 0 < v <= 1, "0 < top_p <= 1")
         top_k = _number(body, "top_k", 0, int, lambda v: v >= -1, "top_k >= 0 (0 or -1: off)")
@@ -128,7 +129,7 @@ class Server:
                            f"prompt has {prompt_len} tokens, which leaves no room for a completion.",
                            "messages" if "messages" in body else "prompt", "context_length_exceeded")
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = _number(body, key, room, int, lambda v: v >= 1, f"{key} >= 1")
+        max_tokens = _number(body, key, room if chat else min(16, room), int, lambda v: v >= 1, f"{key} >= 1")
         if prompt_len + max_tokens > self.max_len:
             raise ApiError(400, f"This model's maximum context length is {self.max_len} tokens. However, you "
                            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
@@ -208,7 +209,7 @@ class Server:
         """The JSON response, or an async iterator of server-sent events when body["stream"]."""
         self.check_model(body)
         prompt_ids = self.chat_prompt(body) if chat else self.completion_prompt(body)
-        params = self.sampling_of(body, len(prompt_ids))
+        params = self.sampling_of(body, len(prompt_ids), chat)
         events: asyncio.Queue = asyncio.Queue()
         requests = self.submit(prompt_ids, params, events)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
