@@ -106,6 +106,7 @@ def main() -> None:
                     start = time.perf_counter()
                     tokens = run()
                     rates[name].append(tokens / (time.perf_counter() - start))
+                    print(f"  {name}: {rates[name][-1]:.1f} tokens/s", flush=True)
         finally:
             proc.terminate()
             proc.wait(timeout=60)
