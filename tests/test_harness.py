@@ -93,7 +93,8 @@ def setup(tmp_path_factory):
 
 
 def evaluate(lm, tasks):
-    return simple_evaluate(model=lm, tasks=list(TASKS), task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
+    return simple_evaluate(model=lm, tasks=list(TASKS),
+                           task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
                            num_fewshot=1, log_samples=True, bootstrap_iters=0)
 
 
@@ -126,7 +127,8 @@ def test_evaluate_task_writes_lm_eval_results(setup, tmp_path):
     path, tasks, ours, tok = setup
     theirs = simple_evaluate(model=HFLM(pretrained=str(path), backend="causal", device="cpu", batch_size=4,
                                         dtype=torch.float32),
-                             tasks=["tiny_mc"], task_manager=TaskManager(include_path=str(tasks), include_defaults=False), limit=4,
+                             tasks=["tiny_mc"], limit=4,
+                             task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
                              num_fewshot=0, bootstrap_iters=0)
     proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "task=evaluate", "model=hf", "hardware=cpu",
                            f"checkpoint.load_hf={path}", "evaluate.tasks=[tiny_mc]", f"evaluate.include_path={tasks}",

@@ -191,3 +191,30 @@ def test_elastic_restart_resumes_after_a_rank_is_killed(tmp_path):
     losses = {r["step"]: r["loss"] for r in metrics(run_dir)}  # a resumed step overwrites its earlier record
     assert losses == {r["step"]: r["loss"] for r in metrics(ref_dir)}
     assert max(losses) == steps
+
+
+@pytest.mark.parametrize("optim,target", [("sgd", "torch.optim.SGD"), ("adafactor", "torch.optim.Adafactor")])
+def test_other_optimizers_train_from_the_command_line_and_resume_only_with_themselves(optim, target, tmp_path):
+    def launch(*overrides):
+        return subprocess.run([sys.executable, str(ROOT / "launch.py"), *TINY, f"hydra.run.dir={tmp_path}",
+                               *overrides], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+    proc = launch(f"optim={optim}", "train.steps=8", "optim.warmup_steps=0", "optim.schedule=constant")
+    assert proc.returncode == 0, proc.stderr
+    assert OmegaConf.load(tmp_path / "config.yaml").optim._target_ == target
+    losses = [r["loss"] for r in metrics(tmp_path)]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.1
+    proc = launch("optim=adamw", "train.steps=10", "checkpoint.load=auto")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: checkpoint {tmp_path}/checkpoints/step_00000008 was saved with optimizer {target} but this run uses "
+        "torch.optim.AdamW (optim=adamw); resume with the optimizer it was saved with, or start from its weights "
+        "with task=convert convert.to=hf and checkpoint.load_hf")
+
+
+def test_an_optimizer_target_that_does_not_import_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), *TINY, f"hydra.run.dir={tmp_path}",
+                           "optim._target_=torch.optim.NoSuchOptimizer"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "error: optim._target_=torch.optim.NoSuchOptimizer cannot be imported (")

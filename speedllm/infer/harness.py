@@ -42,7 +42,8 @@ class SpeedLM(TemplateLM):
                  seed: int = 0):
         super().__init__()
         self.model, self.tokenizer = model, tokenizer
-        self._max_length, self.batch_size, self.dtype, self.tp, self.seed = max_length, batch_size, dtype, tp, seed
+        self._max_length, self.batch_size, self.dtype = max_length, batch_size, dtype
+        self.tp, self.seed = tp, seed
 
     @property
     def eot_token_id(self) -> int:
@@ -134,11 +135,6 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
     from lm_eval.utils import make_table
 
     ev = cfg.evaluate
-    if ev.include_path is not None and not Path(ev.include_path).is_dir():
-        raise UserError(f"evaluate.include_path={ev.include_path} is not a directory; point it at a directory of "
-                        "lm-eval task YAMLs")
-    if ev.batch_size < 1:
-        raise UserError(f"evaluate.batch_size={ev.batch_size} must be >= 1")
     manager = None
     if ev.include_path is not None:  # indexing lm-eval's thousands of built-in tasks takes ~a minute: skip it
         manager = TaskManager(include_path=ev.include_path, include_defaults=False)

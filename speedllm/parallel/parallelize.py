@@ -10,7 +10,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,9 @@ from torch.distributed.tensor import DTensor
 
 from speedllm.parallel.fsdp import apply_fsdp
 from speedllm.parallel.mesh import ParallelDims
+
+if TYPE_CHECKING:
+    from speedllm.parallel.pipeline import Pipeline
 
 # Ops whose outputs selective recompute keeps: the matmuls and attention are the expensive ones to redo;
 # norms, activations and elementwise ops are cheap to recompute and their outputs are the bulk of memory.
@@ -45,7 +48,7 @@ class ParallelModel:
 
     module: nn.Module
     parts: List[nn.Module] = field(default_factory=list)
-    pipeline: Optional["Pipeline"] = None  # noqa: F821
+    pipeline: Optional["Pipeline"] = None
 
     def __call__(self, tokens: torch.Tensor, **kwargs):
         """The whole model's forward (evaluation, samples): Qwen3.forward's results on every rank."""

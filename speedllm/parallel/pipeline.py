@@ -22,7 +22,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor, Shard
 
-V_SCHEDULES = ("ZBVZeroBubble",)
+from speedllm.config.rules import V_SCHEDULES
+
 
 
 def layers_per_stage(num_layers: int, num_stages: int, explicit: Optional[List[int]]) -> List[List[int]]:

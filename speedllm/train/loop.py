@@ -29,7 +29,7 @@ from speedllm.parallel import ParallelModel, clip_grad_norm, materialize, output
 from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.faults import BadSteps, Preemption
 from speedllm.train.metrics import MetricsLogger, flops_per_token, mfu, peak_memory_gb
-from speedllm.train.optimizer import build_optimizer
+from speedllm.train.optimizer import build_optimizer, check_resumable
 from speedllm.train.samples import print_samples
 from speedllm.train.schedule import build_scheduler
 
@@ -189,6 +189,7 @@ def run(cfg, rt: Runtime) -> None:
     step = 0
     resume_from = resolve_load(load_request(cfg), ck.dir)
     if resume_from is not None:
+        check_resumable(resume_from, cfg.optim)
         extra = load_checkpoint(resume_from, pm.module, optimizer)
         step = extra["step"]
         scheduler.load_state_dict(extra["scheduler"])
