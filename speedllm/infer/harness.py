@@ -80,7 +80,8 @@ class SpeedLM(TemplateLM):
                 tokens_BS[b, :len(tokens)] = torch.tensor(tokens)
             first = min(len(tokens) - len(cont) for tokens, cont in batch)  # the earliest position scored
             with keep_positions(self.model, slice(first, None)):
-                logprobs_BSV = torch.log_softmax(self.model(tokens_BS.to(next(self.model.parameters()).device)).float(), dim=-1)
+                logits_BSV = self.model(tokens_BS.to(next(self.model.parameters()).device))
+            logprobs_BSV = torch.log_softmax(logits_BSV.float(), dim=-1)
             for b, (tokens, cont) in enumerate(batch):
                 end = len(tokens) - first
                 rows = logprobs_BSV[b, end - len(cont):end]
