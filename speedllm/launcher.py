@@ -15,12 +15,14 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from speedllm.config.schema import register_configs, typed
-from speedllm.config.validate import validate
-from speedllm.errors import UserError
+from speedllm.config.validate import validate, validate_values
+from speedllm.console import console_log, discard_run_dir, guarded
+from speedllm.errors import UserError, one_line
 from speedllm.hardware import detect, load_profile
 from speedllm.runtime import Runtime, init_runtime
 
 FROZEN_NAME = "config.yaml"
+KEEPS_NOTHING = ("plan", "doctor")  # tasks whose run directory is removed when they succeed
 
 
 def under_torchrun() -> bool:
@@ -104,10 +106,13 @@ def run_task(cfg, rt: Runtime) -> None:
 def _spawn(cfg: DictConfig, frozen: Path, nproc: int) -> None:
     """Run the frozen job as nproc local ranks (x nnodes) through torch's elastic launcher (torchrun's engine)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     lc = cfg.launcher
     rdzv_configs = {"rank": lc.node_rank} if lc.rdzv_backend == "static" else {}
+    rdzv_configs.update(timeout=int(lc.rdzv_timeout), join_timeout=int(lc.rdzv_timeout),
+                        read_timeout=int(lc.rdzv_timeout))
     config = LaunchConfig(
         min_nodes=lc.nnodes, max_nodes=lc.nnodes, nproc_per_node=nproc,
         run_id="speedllm" if lc.nnodes > 1 else uuid.uuid4().hex[:8],
@@ -116,6 +121,10 @@ def _spawn(cfg: DictConfig, frozen: Path, nproc: int) -> None:
     )
     try:
         elastic_launch(config, sys.executable)("-m", "speedllm.launcher", str(frozen))
+    except RendezvousError as e:
+        raise UserError(f"launcher.rdzv_endpoint={lc.rdzv_endpoint}: no rendezvous with {lc.nnodes} node(s) within "
+                        f"launcher.rdzv_timeout={lc.rdzv_timeout}s ({one_line(e)}); start the same command on every "
+                        "node with node 0's host:port, or raise launcher.rdzv_timeout") from None
     except ChildFailedError as e:
         codes = sorted({f.exitcode for f in e.failures.values()})
         ranks = ", ".join(str(r) for r in sorted(e.failures))
@@ -138,6 +147,7 @@ def _run_under_torchrun(cfg: DictConfig) -> None:
 
 def freeze_and_run(cfg: DictConfig) -> None:
     resolve_hardware(cfg)
+    validate_values(cfg)
     if cfg.task.name != "plan":
         resolve_nodes(cfg)
     world, nproc = resolve_layout(cfg)
@@ -153,6 +163,8 @@ def freeze_and_run(cfg: DictConfig) -> None:
         return _run_under_torchrun(cfg)
     OmegaConf.resolve(cfg)
     frozen = write_frozen(cfg, Path(cfg.run_dir))
+    if cfg.task.name not in KEEPS_NOTHING:
+        print(f"run dir: {cfg.run_dir}")
     if world == 1 or cfg.task.in_process:
         # planning targets devices this machine may lack: it gets a plain CPU runtime
         run_task(cfg, Runtime() if cfg.task.name == "plan" else init_runtime(cfg, distributed=False))
@@ -161,29 +173,30 @@ def freeze_and_run(cfg: DictConfig) -> None:
 
 
 def launch(cfg: DictConfig) -> int:
-    """Entry from launch.py; returns the exit status (user errors: one line, status 2)."""
+    """Entry from launch.py; returns the exit status. Every failure is one line (user errors: status 2); a run
+    that kept nothing (plan, doctor, a refused config) leaves no run directory."""
     with open_dict(cfg):
-        try:
-            freeze_and_run(cfg)
-        except UserError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        except SystemExit as e:
-            return e.code if isinstance(e.code, int) else 1
-    return 0
+        run_dir = Path(str(cfg.run_dir)).absolute()
+        with console_log(run_dir) as log:
+            status = guarded(lambda: freeze_and_run(cfg), log, run_dir)
+    if status == 2 or (status == 0 and cfg.task.name in KEEPS_NOTHING):
+        discard_run_dir(run_dir)
+    return status
 
 
 def run_rank(cfg: DictConfig, rt: Runtime) -> None:
     """Run the task as one rank of a job, tear the process groups down together, and exit the process."""
-    status = 0
-    try:
+
+    def task() -> None:
         run_task(cfg, rt)
         dist.barrier()  # no rank tears its process groups down while a peer may still talk to it
-    except UserError as e:
-        print(f"error: [rank {rt.rank}] {e}", file=sys.stderr)
-        status = 2
-    finally:
-        dist.destroy_process_group()
+
+    run_dir = Path(cfg.run_dir)
+    with console_log(run_dir) as log:
+        try:
+            status = guarded(task, log, run_dir, prefix=f"[rank {rt.rank}] ")
+        finally:
+            dist.destroy_process_group()
     # Skip the interpreter's teardown: gloo's C++ worker threads can abort it ("terminate called without an
     # active exception") after the job is done. Everything the task wrote is closed by now.
     sys.stdout.flush()

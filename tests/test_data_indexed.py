@@ -142,8 +142,8 @@ BAD_LINES = [
     (b'{"text": "broken\n', "malformed JSON"),
     (b'{"other": "no text key"}\n', "missing key"),
     (b'{"text": "bad \xff byte"}\n', "invalid UTF-8"),
-    (b'{"text": "   "}\n', "empty document"),
 ]
+WHITESPACE_ONLY = b'{"text": "   "}\n'  # skipped and counted whatever data.on_error says
 
 
 @pytest.mark.parametrize("bad", range(1, len(BAD_LINES)))
@@ -160,7 +160,7 @@ def test_bad_input_fails_with_file_and_line(tmp_path, bad):
 
 def test_bad_input_skip_counts(tmp_path):
     src = tmp_path / "in.jsonl"
-    src.write_bytes(b"".join(line for line, _ in BAD_LINES) + BAD_LINES[0][0])
+    src.write_bytes(b"".join(line for line, _ in BAD_LINES) + WHITESPACE_ONLY + BAD_LINES[0][0])
     meta = preprocess(str(src), str(tmp_path / "out"), DEMO_TOK, on_error="skip", progress=False)
     assert meta["num_documents"] == 2
     assert meta["skipped"] == {"malformed JSON line": 1, "missing key text": 1, "invalid UTF-8": 1, "empty document": 1}
@@ -200,3 +200,29 @@ def test_task_preprocess_from_composed_config(tmp_path, capsys):
     assert meta["num_documents"] == 2 and meta["dtype"] == "int32"
     assert "tokens/s" in capsys.readouterr().out
     assert IndexedDataset(str(tmp_path / "corpus"))[1].tolist()[-1] == 151643
+
+
+def test_empty_documents_are_skipped_and_counted(tmp_path, capsys):
+    """1% empty or whitespace-only documents: the same tokens as the clean corpus, and the count reported."""
+    from omegaconf import OmegaConf
+
+    from speedllm.data.preprocess import run
+
+    docs = [f"document {i}: " + "to be or not to be " * (i % 7 + 1) for i in range(297)]
+    noisy = list(docs)
+    for at, blank in ((10, ""), (150, "   "), (290, "\n\t \n")):
+        noisy.insert(at, blank)
+    for name, corpus in (("clean", docs), ("noisy", noisy)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in corpus))
+    preprocess(str(tmp_path / "clean.jsonl"), str(tmp_path / "clean"), DEMO_TOK, progress=False)
+    cfg = OmegaConf.create({"data": {"input": str(tmp_path / "noisy.jsonl"), "output_prefix": str(tmp_path / "noisy"),
+                                     "tokenizer": DEMO_TOK, "text_key": ["text"], "append_eod": True, "workers": 1,
+                                     "on_error": "fail", "trust_remote_code": False},
+                            "logging": {"progress_bar": False}})
+    meta = run(cfg)
+    assert meta["skipped"] == {"empty document": 3} and meta["num_documents"] == 297
+    clean, noisy_ds = IndexedDataset(str(tmp_path / "clean")), IndexedDataset(str(tmp_path / "noisy"))
+    assert len(clean) == len(noisy_ds) == 297
+    assert all(np.array_equal(clean[i], noisy_ds[i]) for i in range(297))
+    summary = capsys.readouterr().out
+    assert "read 300 records, wrote 297 documents" in summary and "skipped 3 (3 empty document)" in summary

@@ -139,3 +139,20 @@ def test_packing_boundaries(tok):
                 assert labels[span[-1]] == IGNORE, "no label crosses into the next sample"
         assert sum(1 for x in labels if x != IGNORE) > 0
     assert sorted(seen) == list(range(len(samples.ids))), "one epoch packs every sample exactly once"
+
+
+def test_end_of_run_samples_render_the_whole_multi_turn_prompt(tmp_path):
+    from omegaconf import OmegaConf
+
+    from speedllm.train.samples import sample_prompts
+
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+             {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"},
+             {"role": "assistant", "content": "6"}]
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": turns}) + "\n")
+    cfg = OmegaConf.create({"data": {"format": "messages", "input": str(tmp_path / "chat.jsonl"), "split": "0,1,0"},
+                            "generate": {"num_samples": 1}})
+    tokenizer = AutoTokenizer.from_pretrained(ASSETS / "tokenizers" / "qwen3")
+    expected = tokenizer.apply_chat_template(turns[:4], tokenize=False, add_generation_prompt=True)
+    assert sample_prompts(cfg, tokenizer) == [expected]
+    assert "2+2?" in expected and "4" in expected and "and 3+3?" in expected

@@ -293,3 +293,49 @@ def test_model_hf_without_load_hf_is_rejected():
         validate(composed("model=hf", "hardware=cpu"), 1, 1)
     assert str(err.value) == ("model=hf takes the model from checkpoint.load_hf's config.json; set "
                               "checkpoint.load_hf=<HF model dir>")
+
+
+def test_demo_style_export_stops_at_its_end_token_in_transformers_generate(tmp_path):
+    """A checkpoint of the demo model (qwen3_tiny, demo tokenizer) exported by task=convert: config.json carries
+    the tokenizer's eos/bos/pad ids and generation_config.json the stop ids, so transformers' generate with no
+    arguments stops at the end token; files have the mode the umask asks for.
+
+    Weights are set so the next token depends on the current one only (attention and MLP outputs zero): prompt ->
+    a -> b -> <|endoftext|> -> (were generation not stopped) token 0 up to transformers' default max_length 20.
+    """
+    import os
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from speedllm.checkpoint.convert import dcp_to_hf
+    from speedllm.checkpoint.dcp import save_checkpoint
+
+    cfg = composed("model=qwen3_tiny", "model.hidden_size=32", "model.intermediate_size=64",
+                   "model.num_hidden_layers=1", "model.head_dim=8", "model.tie_word_embeddings=false",
+                   f"run_dir={tmp_path}", "logging.progress_bar=false")
+    OmegaConf.resolve(cfg)
+    eod = AutoTokenizer.from_pretrained(DEMO_TOKENIZER).convert_tokens_to_ids("<|endoftext|>")
+    prompt, a, b = 100, 200, 300
+    model = Qwen3(cfg.model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        for norm in (model.norm, model.layers["0"].input_layernorm, model.layers["0"].post_attention_layernorm):
+            norm.weight.fill_(1.0)
+        for dim, (token, successor) in enumerate([(prompt, a), (a, b), (b, eod)]):
+            model.embed_tokens.weight[token, dim] = 1.0
+            model.lm_head.weight[successor, dim] = 1.0
+    save_checkpoint(str(tmp_path / "ckpt"), 1, model, torch.optim.AdamW(model.parameters()), {}, cfg, keep=0)
+    old_mask = os.umask(0o022)
+    try:
+        out = dcp_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), cfg)
+    finally:
+        os.umask(old_mask)
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] is not None and config["pad_token_id"] is not None
+    assert eod in json.loads((out / "generation_config.json").read_text())["eos_token_id"]
+    assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {oct(0o644)}
+    hf = AutoModelForCausalLM.from_pretrained(out)
+    generated = hf.generate(torch.tensor([[prompt]]))
+    assert generated.tolist() == [[prompt, a, b, eod]]

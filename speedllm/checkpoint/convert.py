@@ -19,12 +19,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
 
-from speedllm.checkpoint.dcp import LATEST, _quiet_dcp, resolve_load, step_dir_name
+from speedllm.checkpoint.dcp import (LATEST, _quiet_dcp, dcp_load, read_metadata, read_saved_config, resolve_load,
+                                     step_dir_name)
 from speedllm.checkpoint.hf import (check_hf_files, copy_tokenizer, has_tokenizer, hf_model_fields, read_hf_config,
                                     weight_files, write_hf_dir)
 from speedllm.errors import UserError
 from speedllm.hardware import DTYPES
 from speedllm.models.hf_adapter import from_hf_state_dict
+from speedllm.outputs import make_scratch_dir, write_text_atomic
 
 HF_SUBDIR = "hf"
 
@@ -67,9 +69,7 @@ def hf_to_dcp(path: str, out: str, cfg: DictConfig) -> Path:
     if dtype is not None:
         state = {name: tensor.to(dtype) for name, tensor in state.items()}
 
-    tmp = out_root / f".{final.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = make_scratch_dir(out_root / f".{final.name}.tmp", "convert.out")
     with _quiet_dcp():
         dcp.save({"model": state}, checkpoint_id=str(tmp), no_dist=True)
     (tmp / HF_SUBDIR).mkdir()
@@ -82,28 +82,26 @@ def hf_to_dcp(path: str, out: str, cfg: DictConfig) -> Path:
     saved["data"]["tokenizer"] = tokenizer
     OmegaConf.save(OmegaConf.create(saved), tmp / "config.yaml")
     os.replace(tmp, final)
-    (out_root / LATEST).write_text(final.name + "\n")
+    write_text_atomic(out_root / LATEST, final.name + "\n")
     return final
 
 
 def dcp_to_hf(load: str, out: str, cfg: DictConfig) -> Path:
     """Export the model of checkpoint `load` (a step directory or a root with `latest`) as an HF directory."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     ckpt = resolve_load(load, cfg.checkpoint.dir)
     if not (ckpt / "config.yaml").is_file():
         raise UserError(f"checkpoint.load={load}: {ckpt} has no config.yaml, so its model is unknown; point it at "
                         "a checkpoint written by SpeedLLM")
-    saved = OmegaConf.load(ckpt / "config.yaml")
-    metadata = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    saved = read_saved_config(ckpt)
+    metadata = read_metadata(ckpt).state_dict_metadata
     tensors = {key.removeprefix("model."): (tuple(meta.size), meta.properties.dtype)
                for key, meta in metadata.items() if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
 
     def fetch(names):
         state = {"model": {n: torch.empty(tensors[n][0], dtype=tensors[n][1]) for n in names}}
-        with _quiet_dcp():
-            dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+        dcp_load(state, ckpt)
         return state["model"]
 
     # The original HF files: kept inside a converted checkpoint, or the directory a training run started from.

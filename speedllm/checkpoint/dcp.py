@@ -15,7 +15,7 @@ complete checkpoint, because it is replaced (atomically) only after the rename.
 
 import contextlib
 import os
-import shutil
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -25,11 +25,98 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from speedllm.errors import UserError
+from speedllm.errors import UserError, reading
+from speedllm.outputs import MARKER, make_scratch_dir, remove_ours, write_text_atomic
 
 LATEST = "latest"
+
+# What a DCP `.metadata` pickle may name: DCP's own metadata classes and the few torch/pathlib values inside them.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Refuses every global outside DCP's metadata classes, plain values and torch dtypes: no code runs."""
+
+    def find_class(self, module: str, name: str):
+        if name in _METADATA_GLOBALS.get(module, ()) or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which a DCP checkpoint never holds")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader with `.metadata` read through a restricted unpickler (torch's uses plain pickle.load)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except OSError as e:
+            raise UserError(f"{path} cannot be read ({e.strerror}); point checkpoint.load at a complete checkpoint")
+        except Exception as e:  # any malformed pickle: truncated, garbage, or naming code to run
+            raise UserError(f"{path} is not a DCP checkpoint's metadata ({e}); refusing to load it - use a "
+                            "checkpoint written by SpeedLLM or torch.distributed.checkpoint") from None
+        if not isinstance(metadata, Metadata):
+            raise UserError(f"{path} holds a {type(metadata).__name__}, not DCP metadata; point checkpoint.load at "
+                            "a DCP checkpoint directory")
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """DCP's load planner with non-tensor entries read by torch.load(weights_only=True) (torch's allows any object)."""
+
+    def load_bytes(self, read_item, value) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError:
+            raise UserError(f"checkpoint entry {read_item.dest_index.fqn} is a pickled object, not plain data "
+                            "(torch.load(weights_only=True) refused it); refusing to load the checkpoint") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def read_metadata(path: Path) -> Metadata:
+    """The `.metadata` of checkpoint directory `path`, read without running code."""
+    return SafeReader(str(path)).read_metadata()
+
+
+def dcp_load(state: Dict[str, Any], path: Path) -> None:
+    """dcp.load, in place, with no unpickling of arbitrary objects; a checkpoint that does not fit (another model,
+    truncated files) is one line naming it."""
+    read_metadata(path)  # refused here, in one line, before DCP (which logs a traceback for a bad one)
+    try:
+        with _quiet_dcp():
+            dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner(),
+                     no_dist=not dist.is_initialized())
+    except CheckpointException as e:  # a BaseException: DCP gathers each rank's failure into it
+        first = next(iter(e.failures.values()))[0] if e.failures else e
+        if isinstance(first, UserError):
+            raise first from None
+        reason = str(first).strip().splitlines()[-1] if str(first).strip() else type(first).__name__
+        raise UserError(f"checkpoint {path} does not fit this model or is damaged ({type(first).__name__}: "
+                        f"{reason[:300]}); point checkpoint.load at a complete checkpoint of this model") from None
 
 
 def step_dir_name(step: int) -> str:
@@ -63,7 +150,11 @@ def latest_checkpoint(root: str) -> Optional[Path]:
     pointer = Path(root) / LATEST
     if not pointer.is_file():
         return None
-    return Path(root) / pointer.read_text().strip()
+    path = Path(root) / pointer.read_text().strip()
+    if not (path / ".metadata").is_file():
+        raise UserError(f"{pointer} names {path.name}, which is missing or incomplete; write the name of a complete "
+                        "step_* directory into it, or point checkpoint.load at one")
+    return path
 
 
 def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -79,9 +170,10 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: torch.opt
     tmp = root_path / f".{final.name}.tmp"
     rank = _rank()
     if rank == 0:
-        root_path.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a process killed mid-write
-        tmp.mkdir()
+        if final.exists() and not (final / MARKER).is_file():
+            raise UserError(f"{final} exists and was not written by SpeedLLM; move it away or choose another "
+                            "checkpoint.dir")
+        make_scratch_dir(tmp, "checkpoint.dir")  # replaces one left by a process killed mid-write
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     with _quiet_dcp():
@@ -91,16 +183,26 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: torch.opt
         OmegaConf.save(cfg, tmp / "config.yaml", resolve=True)
     _barrier()
     if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)  # a re-run of the same step replaces its old copy
+        remove_ours(final)  # a re-run of the same step replaces its old copy
         os.replace(tmp, final)
-        pointer_tmp = root_path / f".{LATEST}.tmp"
-        pointer_tmp.write_text(final.name + "\n")
-        os.replace(pointer_tmp, root_path / LATEST)
+        write_text_atomic(root_path / LATEST, final.name + "\n")
         if keep > 0:
             for old in finished_checkpoints(root_path)[:-keep]:
-                shutil.rmtree(old)
+                remove_ours(old)  # a step_* directory we did not write is never deleted
     _barrier()
     return final
+
+
+def read_saved_config(step_dir: Path) -> DictConfig:
+    """The run config saved inside a checkpoint (`config.yaml`), checked to be one."""
+    frozen = step_dir / "config.yaml"
+    with reading(str(frozen), "copy the run directory's config.yaml over it, or point checkpoint.load at another "
+                 "checkpoint"):
+        saved = OmegaConf.load(frozen)
+    if not isinstance(saved, DictConfig) or not isinstance(saved.get("model"), DictConfig):
+        raise UserError(f"{frozen} is not a SpeedLLM run config (no model section); copy the run directory's "
+                        "config.yaml over it, or point checkpoint.load at another checkpoint")
+    return saved
 
 
 def resolve_load(load: Optional[str], root: str) -> Optional[Path]:
@@ -127,8 +229,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     """Load model + optimizer in place (any layout) and return this rank's `extra` state."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    with _quiet_dcp():
-        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    dcp_load(state, path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     extra_file = path / f"extra_rank{_rank()}.pt"
     if not extra_file.is_file():

@@ -16,7 +16,7 @@ import json
 import os
 import re
 import shutil
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
@@ -24,8 +24,9 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
-from speedllm.errors import UserError
+from speedllm.errors import UserError, reading
 from speedllm.models.hf_adapter import hf_config, model_config_from_hf, to_hf_state_dict
+from speedllm.outputs import MARKER, make_scratch_dir
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -50,8 +51,11 @@ def read_hf_config(path: str) -> dict:
                         "directory (config.json + *.safetensors)")
     try:
         config = json.loads(config_file.read_text())
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         raise UserError(f"checkpoint.load_hf={path}: config.json is not valid JSON ({e}); fix or replace it") from None
+    if not isinstance(config, dict):
+        raise UserError(f"checkpoint.load_hf={path}: config.json holds a JSON {type(config).__name__}, not an object; "
+                        "fix or replace it")
     archs = config.get("architectures") or []
     unsupported = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
     if unsupported:
@@ -69,8 +73,20 @@ def _model_defaults() -> dict:
 def hf_model_fields(path: str) -> dict:
     """Every architecture field of our ModelConfig, from an HF directory's config.json (dense: MoE fields 0)."""
     defaults = _model_defaults()
-    found = model_config_from_hf(read_hf_config(path))
-    return {key: found.get(key, defaults[key]) for key in ARCH_FIELDS + OTHER_FIELDS}
+    fix = "fix config.json or save the model again with save_pretrained"
+    with reading(f"checkpoint.load_hf={path}: config.json", fix):
+        found = model_config_from_hf(read_hf_config(path))
+    fields_ = {key: found.get(key, defaults[key]) for key in ARCH_FIELDS + OTHER_FIELDS}
+    from speedllm.config.schema import ModelConfig
+
+    kinds = {f.name: f.type if f.type in (int, float, bool) else list for f in fields(ModelConfig)}
+    for key, value in fields_.items():
+        want = kinds[key]
+        fits = isinstance(value, (int, float) if want is float else want) and (
+            want is bool or not isinstance(value, bool))
+        if not fits:
+            raise UserError(f"checkpoint.load_hf={path}: config.json {key}={value!r} is not a {want.__name__}; {fix}")
+    return fields_
 
 
 def hf_model_field(path: Optional[str], key: str):
@@ -96,23 +112,36 @@ def weight_files(path: str) -> Dict[str, Path]:
     root = Path(path)
     index = root / INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        with reading(f"checkpoint.load_hf={path}: {INDEX}", "fix it, or remove it to read every *.safetensors"):
+            weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise UserError(f"checkpoint.load_hf={path}: {INDEX} weight_map is not a mapping of tensor names to "
+                            "files; fix it, or remove it to read every *.safetensors")
         absent = {file for file in weight_map.values() if not (root / file).is_file()}
         if absent:
             raise UserError(f"checkpoint.load_hf={path}: {INDEX} names shard(s) that are not there: "
                             f"{_names(absent)}; copy the whole directory")
         return {name: root / file for name, file in weight_map.items()}
-    from safetensors import safe_open
-
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise UserError(f"checkpoint.load_hf={path}: no *.safetensors there; save the model with "
                         "save_pretrained(safe_serialization=True) (the default)")
     names = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as reader:
+        with _open_safetensors(path, file) as reader:
             names.update({name: file for name in reader.keys()})
     return names
+
+
+@contextmanager
+def _open_safetensors(path: str, file: Path):
+    """safe_open, with a damaged or foreign file refused in one line naming it."""
+    from safetensors import safe_open
+
+    with reading(f"checkpoint.load_hf={path}: {file.name}", "the file is damaged or not safetensors; copy it again"):
+        reader = safe_open(str(file), framework="pt")
+    with reader:
+        yield reader
 
 
 def expected_hf_shapes(model_cfg) -> Dict[str, Tuple[int, ...]]:
@@ -132,8 +161,6 @@ def _names(items: Iterable[str], limit: int = 5) -> str:
 
 def check_hf_files(path: str, model_cfg, files: Dict[str, Path]) -> None:
     """Every tensor the config implies is there with its shape, and nothing else (reads headers only)."""
-    from safetensors import safe_open
-
     expected = expected_hf_shapes(model_cfg)
     missing = expected.keys() - files.keys()
     if missing:
@@ -144,7 +171,7 @@ def check_hf_files(path: str, model_cfg, files: Dict[str, Path]) -> None:
         raise UserError(f"checkpoint.load_hf={path}: unexpected tensor(s) {_names(unexpected)} are not part of "
                         "the model its config.json describes; fix config.json or remove them")
     for file in sorted(set(files.values())):
-        with safe_open(str(file), framework="pt") as reader:
+        with _open_safetensors(path, file) as reader:
             for name in reader.keys():
                 if name not in expected:
                     continue
@@ -152,6 +179,10 @@ def check_hf_files(path: str, model_cfg, files: Dict[str, Path]) -> None:
                 if actual != expected[name]:
                     raise UserError(f"checkpoint.load_hf={path}: tensor {name} in {file.name} has shape "
                                     f"{list(actual)} but config.json implies {list(expected[name])}")
+                dtype = reader.get_slice(name).get_dtype()
+                if not dtype.startswith(("F", "BF")):  # an integer weight would be cast silently
+                    raise UserError(f"checkpoint.load_hf={path}: tensor {name} in {file.name} is {dtype}, not a "
+                                    "floating-point type; these are not model weights")
 
 
 def _local_slices(tensor: torch.Tensor) -> Tuple[slice, ...]:
@@ -267,10 +298,37 @@ def _config_json(model_cfg, source: Optional[Path], dtype: torch.dtype) -> dict:
     return config
 
 
-def _generation_config_json(config: dict, source: Optional[Path]) -> dict:
+def _token_ids(tokenizer_dir: Path, vocab_size: int) -> dict:
+    """bos/eos/pad ids for config.json, and the ids generation stops at (eos, end of turn, end of text): those of
+    the tokenizer's ids the model's vocabulary has."""
+    from speedllm.data.tokenizer import load_tokenizer
+    from speedllm.infer.load import pad_id_of, stop_ids_of
+
+    tok = load_tokenizer(str(tokenizer_dir))
+    ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": pad_id_of(tok)}
+    ids = {key: i for key, i in ids.items() if i is not None and i < vocab_size}
+    return {**ids, "stop_ids": [i for i in stop_ids_of(tok) if i < vocab_size]}
+
+
+def _write_generation_config(tmp: Path, config: dict, ids: dict, source: Optional[Path]) -> None:
+    """The source's generation_config.json, else one that stops where our generate stops (greedy by default)."""
     if source is not None and (source / "generation_config.json").is_file():
-        return json.loads((source / "generation_config.json").read_text())
-    return {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(key) is not None}
+        shutil.copy2(source / "generation_config.json", tmp / "generation_config.json")
+        return
+    from transformers import GenerationConfig
+
+    stops = ids.get("stop_ids") or ([config["eos_token_id"]] if config.get("eos_token_id") is not None else None)
+    GenerationConfig(bos_token_id=config.get("bos_token_id"), pad_token_id=config.get("pad_token_id"),
+                     eos_token_id=stops).save_pretrained(tmp)
+
+
+def _honour_umask(root: Path) -> None:
+    """safetensors writes 0600 files; give every file the mode the user's umask asks for."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in root.iterdir():
+        path.chmod(0o666 & ~mask)
+    root.chmod(0o777 & ~mask)
 
 
 def write_hf_dir(out: str, model_cfg, tensors: Dict[str, Tuple[tuple, torch.dtype]],
@@ -294,9 +352,7 @@ def write_hf_dir(out: str, model_cfg, tensors: Dict[str, Tuple[tuple, torch.dtyp
     out_path = Path(out)
     if out_path.exists() and any(out_path.iterdir()):
         raise UserError(f"convert.out={out} exists and is not empty; choose a new directory or remove it")
-    tmp = out_path.parent / f".{out_path.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = make_scratch_dir(out_path.parent / f".{out_path.name}.tmp", "convert.out")
     if model_cfg.tie_word_embeddings:
         tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
     tensors = {k: (shape, dtype or t_dtype) for k, (shape, t_dtype) in tensors.items()}
@@ -315,13 +371,18 @@ def write_hf_dir(out: str, model_cfg, tensors: Dict[str, Tuple[tuple, torch.dtyp
     (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
     source_path = Path(source) if source is not None else None
-    config = _config_json(model_cfg, source_path, tensors["embed_tokens.weight"][1])
-    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    (tmp / "generation_config.json").write_text(json.dumps(_generation_config_json(config, source_path),
-                                                           indent=2, sort_keys=True) + "\n")
     copy_tokenizer(source if source_path and has_tokenizer(source) else tokenizer, tmp)
+    config = _config_json(model_cfg, source_path, tensors["embed_tokens.weight"][1])
+    ids = _token_ids(tmp, model_cfg.vocab_size) if has_tokenizer(str(tmp)) else {}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if config.get(key) is None and ids.get(key) is not None:
+            config[key] = ids[key]
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    _write_generation_config(tmp, config, ids, source_path)
     if out_path.exists():
         out_path.rmdir()  # empty (checked above)
+    (tmp / MARKER).unlink()  # the finished directory is the user's
+    _honour_umask(tmp)
     os.replace(tmp, out_path)
     return out_path
 

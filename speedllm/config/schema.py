@@ -213,6 +213,7 @@ class LauncherConfig:
     rdzv_backend: str = "c10d"
     max_restarts: int = 0
     monitor_interval: float = 0.5
+    rdzv_timeout: float = 30.0  # seconds to wait for the other nodes to join (and for the endpoint to answer)
 
 
 @dataclass

@@ -4,12 +4,13 @@ Each rule raises UserError with ONE line naming the key(s), their values and a f
 rejected unknown keys and wrong types; what is left are rules that span several keys or touch the machine.
 """
 
+import math
 import os
 from glob import glob
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from speedllm.config.rules import inference_layout_errors, layout_errors
+from speedllm.config.rules import divisors, inference_layout_errors, layout_errors
 from speedllm.errors import UserError
 from speedllm.ops import IMPLEMENTATIONS
 from speedllm.train.schedule import SCHEDULES
@@ -27,7 +28,59 @@ CHOICES = {
     "data.overlong": ("truncate", "drop"),
     "data.on_error": ("fail", "skip"),
     "convert.to": ("hf", "dcp"),
+    "launcher.rdzv_backend": ("c10d", "static", "etcd", "etcd-v2"),
     "evaluate.split": ("train", "valid", "test"),
+}
+
+
+def _at_least(low):
+    return (lambda v: v >= low), f">= {low}"
+
+
+def _above(low):
+    return (lambda v: v > low), f"> {low}"
+
+
+def _fraction(v) -> bool:
+    return 0 <= v <= 1
+
+
+def _finite(v) -> bool:
+    return all(math.isfinite(x) for x in (v if isinstance(v, list) else [v]))
+
+
+# key -> (test, what it must be): values a library would reject later, or that would silently do nothing.
+VALUE_RULES = {
+    **{f"model.{k}": _at_least(1) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                            "num_attention_heads", "num_key_value_heads", "head_dim",
+                                            "max_position_embeddings")},
+    "model.rope_theta": _above(0),
+    "model.rms_norm_eps": _above(0),
+    "model.num_experts": _at_least(0),
+    **{f"train.{k}": _at_least(1) for k in ("steps", "seq_len", "micro_batch_size", "global_batch_size", "log_every",
+                                            "eval_steps", "max_bad_steps", "loss_chunk_size")},
+    **{f"train.{k}": _at_least(0) for k in ("eval_every", "grad_clip", "stop_after")},
+    "optim.lr": _above(0),
+    "optim.min_lr": _at_least(0),
+    "optim.weight_decay": _at_least(0),
+    "optim.eps": _at_least(0),
+    "optim.warmup_steps": _at_least(0),
+    "optim.decay_fraction": (_fraction, "in [0, 1]"),
+    "optim.betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two values in [0, 1), like [0.9,0.95]"),
+    "checkpoint.every": _at_least(0),
+    "launcher.nnodes": _at_least(1),
+    "launcher.nproc_per_node": _at_least(0),
+    "launcher.node_rank": _at_least(0),
+    "launcher.max_restarts": _at_least(0),
+    "launcher.monitor_interval": _above(0),
+    "launcher.rdzv_timeout": _above(0),
+    "data.workers": _at_least(1),
+    "data.loader_workers": _at_least(0),
+    "hardware.memory_gb": _above(0),
+    "plan.top": _at_least(1),
+    "plan.show_rejected": _at_least(0),
+    "plan.compute_efficiency": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "plan.memory_margin": (lambda v: 0 <= v < 1, "in [0, 1)"),
 }
 
 
@@ -45,6 +98,61 @@ def check_choices(cfg: DictConfig) -> None:
             raise UserError(f"{key}={value} is not one of {', '.join(allowed)}; pick one of them")
 
 
+def check_values(cfg: DictConfig) -> None:
+    """Each value on its own: in range, finite; then the few rules between two keys of one group."""
+    for key, (ok, must_be) in VALUE_RULES.items():
+        value = OmegaConf.select(cfg, key)
+        if value is None:  # an optimizer without this argument
+            continue
+        listed = OmegaConf.is_list(value)
+        # a rule holds for each entry of a list (adafactor's eps pair), except betas, which is one value
+        items = [list(value)] if key == "optim.betas" else [v for v in value if v is not None] if listed else [value]
+        if not all(_finite(v) and ok(v) for v in items):
+            raise UserError(f"{key}={list(value) if listed else value} must be {must_be}; set {key} to such a value")
+    m, o, lc = cfg.model, cfg.optim, cfg.launcher
+    if m.num_attention_heads % m.num_key_value_heads:
+        raise UserError(f"model.num_key_value_heads={m.num_key_value_heads} must divide model.num_attention_heads="
+                        f"{m.num_attention_heads} (grouped-query attention); use one of {divisors(m.num_attention_heads)}")
+    if m.num_experts > 0 and not (1 <= m.num_experts_per_tok <= m.num_experts and m.moe_intermediate_size >= 1):
+        raise UserError(f"model.num_experts={m.num_experts} needs model.num_experts_per_tok in [1, {m.num_experts}] "
+                        f"and model.moe_intermediate_size >= 1 (now {m.num_experts_per_tok}, {m.moe_intermediate_size})")
+    if o.min_lr > o.lr:
+        raise UserError(f"optim.min_lr={o.min_lr} exceeds optim.lr={o.lr}; lower optim.min_lr")
+    if lc.node_rank >= lc.nnodes:
+        raise UserError(f"launcher.node_rank={lc.node_rank} must be below launcher.nnodes={lc.nnodes} "
+                        f"(nodes count from 0)")
+    if cfg.task.name in ("pretrain", "sft", "evaluate"):  # the tasks that split their data
+        from speedllm.data.datasets import parse_split
+
+        parse_split(cfg.data.split)
+
+
+def check_outputs(cfg: DictConfig) -> None:
+    """No output may write over an input: refused before any work."""
+    from speedllm.outputs import check_no_collision, check_writable
+
+    task, d, ck, gen = cfg.task.name, cfg.data, cfg.checkpoint, cfg.generate
+    inputs = {"data.tokenizer": [d.tokenizer]}
+    inputs.update({key: [value] for key, value in (("checkpoint.load", ck.load), ("checkpoint.load_hf", ck.load_hf))
+                   if value not in (None, "auto")})
+    if task == "preprocess":
+        patterns = [d.input] if isinstance(d.input, str) else list(d.input)
+        inputs["data.input"] = [f for pattern in patterns for f in (glob(str(pattern), recursive=True) or [pattern])]
+        outputs = {"data.output_prefix": [f"{d.output_prefix}{suffix}" for suffix in (".bin", ".idx", ".json")]}
+        check_writable("data.output_prefix", f"{d.output_prefix}.bin")
+    elif task == "generate" and gen.output is not None:
+        if gen.prompts_file is not None:
+            inputs["generate.prompts_file"] = [gen.prompts_file]
+        outputs = {"generate.output": [gen.output]}
+        check_writable("generate.output", gen.output)
+    elif task == "convert":
+        outputs = {"convert.out": [cfg.convert.out]}
+        check_writable("convert.out", cfg.convert.out, directory=True)
+    else:
+        return
+    check_no_collision(outputs, inputs)
+
+
 def check_parallel(cfg: DictConfig) -> None:
     p = cfg.parallel
     errors = layout_errors(cfg.model, tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, cp=p.cp, dp=p.dp,
@@ -55,7 +163,7 @@ def check_parallel(cfg: DictConfig) -> None:
         raise UserError(errors[0])
 
 
-def check_task(cfg: DictConfig) -> None:
+def check_task(cfg: DictConfig, world_size: int) -> None:
     """The task's `_target_` and the optimizer's must resolve before anything is launched."""
     from hydra.utils import get_method
 
@@ -69,6 +177,9 @@ def check_task(cfg: DictConfig) -> None:
     errors = optimizer_errors(cfg.optim)
     if errors:
         raise UserError(errors[0])
+    if cfg.optim._target_ == "torch.optim.Adafactor" and world_size > 1 and not cfg.task.inference:
+        raise UserError(f"optim=adafactor runs in a single process (torch's Adafactor cannot update sharded "
+                        f"DTensor parameters), not on {world_size} ranks; use optim=adamw or optim=sgd here")
 
 
 def check_batch(cfg: DictConfig) -> None:
@@ -115,6 +226,21 @@ def check_inference(cfg: DictConfig) -> None:
     for ok, message in rules:
         if not ok:
             raise UserError(message)
+
+
+def check_rendezvous(cfg: DictConfig) -> None:
+    """Several nodes: node 0's host must resolve here (an unresolvable one would hang the rendezvous)."""
+    import socket
+
+    lc = cfg.launcher
+    if lc.nnodes == 1 or lc.rdzv_backend not in ("c10d", "static"):
+        return
+    host, _, port = lc.rdzv_endpoint.rpartition(":")
+    try:
+        socket.getaddrinfo(host, int(port))
+    except (socket.gaierror, ValueError) as e:
+        raise UserError(f"launcher.rdzv_endpoint={lc.rdzv_endpoint}: {host or '(no host)'} does not resolve here "
+                        f"({e}); give node 0's host name or address and a port, like node0:29500") from None
 
 
 def check_world(cfg: DictConfig, world_size: int) -> None:
@@ -213,18 +339,26 @@ def check_hf_model(cfg: DictConfig) -> None:
                         "config.json, or the matching model=")
 
 
-def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
-    """Run every rule; the first failure raises UserError."""
+def validate_values(cfg: DictConfig) -> None:
+    """The rules that need no layout: run before the launcher derives the world size from these values."""
     check_hf_model(cfg)
     check_choices(cfg)
-    check_task(cfg)
+    check_values(cfg)
+
+
+def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
+    """Run every rule; the first failure raises UserError."""
+    validate_values(cfg)
+    check_task(cfg, world_size)
     check_parallel(cfg)
     check_batch(cfg)
     if cfg.task.inference:
         check_inference(cfg)
     if cfg.task.name != "plan":
         check_world(cfg, world_size)
+        check_rendezvous(cfg)
         check_paths(cfg)
+        check_outputs(cfg)
         if not cfg.task.in_process:
             check_device(cfg, nproc_per_node)
         if cfg.task.name not in ("doctor", "convert", "preprocess"):  # preprocess uses no model

@@ -5,6 +5,7 @@ sample k is the same on every rank and in every run with the same seed, so a loa
 remember how many samples it consumed.
 """
 
+import math
 from functools import lru_cache
 from typing import List, Sequence, Tuple
 
@@ -24,9 +25,11 @@ def parse_split(split) -> List[float]:
         weights = [float(x) for x in items]
     except ValueError:
         raise UserError(f"data.split={split}: expected comma-separated weights like 969,30,1") from None
+    if len(weights) > 3:
+        raise UserError(f"data.split={split}: at most three weights (train, valid, test), like 969,30,1")
     weights = (weights + [0.0, 0.0, 0.0])[:3]
-    if any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise UserError(f"data.split={split}: weights must be non-negative with a positive sum")
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+        raise UserError(f"data.split={split}: weights must be finite, non-negative, with a positive sum")
     return [w / sum(weights) for w in weights]
 
 

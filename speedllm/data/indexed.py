@@ -47,6 +47,9 @@ class IndexedDataset:
 
     def __init__(self, prefix: str):
         self.prefix = prefix
+        rewrite = "rewrite the pair with task=preprocess"
+        if os.path.getsize(prefix + ".idx") < 34:
+            raise UserError(f"{prefix}.idx: too short for an MMIDIDX index (truncated?) — {rewrite}")
         idx = np.memmap(prefix + ".idx", mode="r", dtype=np.uint8)
         if bytes(idx[:9]) != HEADER:
             raise UserError(
@@ -59,6 +62,9 @@ class IndexedDataset:
             )
         self.dtype = np.dtype(DTYPE_CODES[code])
         offset = 34
+        if len(idx) < offset + num_seqs * 12 + num_docs * 8:
+            raise UserError(f"{prefix}.idx: holds {len(idx)} bytes but its header promises {num_seqs} sequences and "
+                            f"{num_docs} documents (truncated?) — {rewrite}")
         self.sizes = np.frombuffer(idx, np.int32, num_seqs, offset)
         offset += self.sizes.nbytes
         self.pointers = np.frombuffer(idx, np.int64, num_seqs, offset)
@@ -66,8 +72,12 @@ class IndexedDataset:
         self.document_indices = np.frombuffer(idx, np.int64, num_docs, offset)
         self._idx = idx
         # np.memmap refuses empty files; a corpus of empty documents has an empty `.bin`.
-        empty = os.path.getsize(prefix + ".bin") == 0
-        self._bin = np.zeros(0, np.uint8) if empty else np.memmap(prefix + ".bin", mode="r", dtype=np.uint8)
+        bin_size = os.path.getsize(prefix + ".bin")
+        end = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize if num_seqs else 0
+        if bin_size < end:
+            raise UserError(f"{prefix}.bin: holds {bin_size} bytes but {prefix}.idx indexes {end} (truncated, or "
+                            f"not the .idx's pair) — {rewrite}")
+        self._bin = np.zeros(0, np.uint8) if bin_size == 0 else np.memmap(prefix + ".bin", mode="r", dtype=np.uint8)
 
     def __len__(self) -> int:
         return len(self.sizes)

@@ -81,9 +81,10 @@ def demo_prefix(cfg) -> str:
 class Loader:
     """Iterates forever over a dataset as described in the module docstring."""
 
-    def __init__(self, dataset, dp_rank: int, dp_size: int, micro_batch_size: int):
+    def __init__(self, dataset, dp_rank: int, dp_size: int, micro_batch_size: int, vocab_size: int = 0):
         self.dataset = dataset
         self.dp_rank, self.dp_size, self.micro_batch_size = dp_rank, dp_size, micro_batch_size
+        self.vocab_size = vocab_size  # > 0: refuse token ids the model's embedding lacks
         self.consumed_samples = 0
 
     def __iter__(self) -> "Loader":
@@ -96,6 +97,9 @@ class Loader:
         if isinstance(samples[0], dict):
             return {k: torch.from_numpy(np.stack([s[k] for s in samples])) for k in samples[0]}
         x = torch.from_numpy(np.stack(samples))  # [B, S+1]
+        if self.vocab_size and int(x.max()) >= self.vocab_size:
+            raise UserError(f"data.path holds token id {int(x.max())} but model.vocab_size={self.vocab_size} — the "
+                            "data was tokenized for another model; preprocess it with this model's tokenizer")
         return {"tokens": x[:, :-1].contiguous(), "labels": x[:, 1:].contiguous()}
 
     def state_dict(self) -> dict:
@@ -127,6 +131,7 @@ def build_loader(cfg, split: str, dp_rank: int, dp_size: int, micro_batch_size: 
             )
         check_vocab(cfg, path)
         dataset = build_pretrain_dataset(path, d.split, split, seq_len, seed)
+        return Loader(dataset, dp_rank, dp_size, micro_batch_size, cfg.model.vocab_size)
     else:
         from speedllm.data.sft import SFTDataset, describe, load_sft_samples
 

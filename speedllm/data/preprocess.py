@@ -24,13 +24,14 @@ import numpy as np
 
 from speedllm.data.indexed import IndexedDatasetWriter, dtype_for_vocab
 from speedllm.data.tokenizer import load_tokenizer, tokenizer_vocab_size
-from speedllm.errors import UserError
+from speedllm.errors import UserError, reading
 
 # A worker task holds documents up to this many characters (or CHUNK_DOCS documents): large enough to
 # amortize pickling, small enough that a corpus of a few books still spreads over all workers.
 CHUNK_CHARS = 1 << 18
 CHUNK_DOCS = 256
 OPENERS = {".gz": gzip.open, ".xz": lzma.open, ".bz2": bz2.open}
+EMPTY = "empty document"  # skipped whatever data.on_error says, and counted
 
 
 def expand_inputs(inputs) -> List[str]:
@@ -80,8 +81,15 @@ def _decode(data: bytes, where: str) -> str:
 def read_records(path: str) -> Iterator[Tuple[str, object]]:
     """Yield (location "file:line", record-or-UserError) for every record of one input file.
 
-    Bad records come back as a UserError value instead of raising, so the caller decides fail or skip.
+    Bad records come back as a UserError value instead of raising, so the caller decides fail or skip; a file
+    that cannot be read at all (corrupt compression, not the format its name says) raises one line naming it.
     """
+    with reading(path, "check that it is what its name says (.jsonl, .json, .parquet or text; .gz/.xz/.bz2 "
+                 "compressed) and not damaged"):
+        yield from _records(path)
+
+
+def _records(path: str) -> Iterator[Tuple[str, object]]:
     fmt, comp = _kind(path)
     if fmt == "parquet":
         import pyarrow.parquet as pq
@@ -100,6 +108,9 @@ def read_records(path: str) -> Iterator[Tuple[str, object]]:
             raise UserError(f"{path}:{e.lineno}: malformed JSON ({e.msg}) — fix the file") from None
         if isinstance(rows, dict):
             rows = [rows]
+        if not isinstance(rows, list):
+            raise UserError(f"{path}: holds a JSON {type(rows).__name__}, not a list of records; write "
+                            "[{...}, {...}] or use .jsonl with one object per line")
         for i, row in enumerate(rows):
             yield f"{path}:item {i}", row
     else:
@@ -127,10 +138,10 @@ def record_text(where: str, record, text_keys: Sequence[str]) -> str:
             where, f"missing key {'/'.join(text_keys)} (has {sorted(record)[:8]})",
             "set data.text_key to the field that holds the text",
         )
-    text = "\n\n".join(str(p) for p in parts)
-    if not text.strip():
-        raise _bad(where, "empty document", "remove it or set data.on_error=skip")
-    return text
+    if not all(isinstance(p, str) for p in parts):
+        raise _bad(where, f"{'/'.join(text_keys)} is not text ({type(parts[0]).__name__})",
+                   "set data.text_key to a field that holds a string")
+    return "\n\n".join(parts)
 
 
 def iter_documents(files: List[str], text_keys: Sequence[str], on_error: str, skipped: dict) -> Iterator[str]:
@@ -145,7 +156,11 @@ def iter_documents(files: List[str], text_keys: Sequence[str], on_error: str, sk
             try:
                 if isinstance(record, UserError):
                     raise record
-                yield record_text(where, record, text_keys)
+                text = record_text(where, record, text_keys)
+                if not text.strip():  # web corpora have them; Megatron skips them too
+                    skipped[EMPTY] = skipped.get(EMPTY, 0) + 1
+                    continue
+                yield text
             except UserError as e:
                 if on_error == "fail":
                     raise
@@ -290,10 +305,12 @@ def run(cfg, rt=None) -> dict:
         d.trust_remote_code, progress=cfg.logging.progress_bar,
     )
     skipped = sum(meta["skipped"].values())
+    reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(meta["skipped"].items()))
     print(
-        f"preprocess: {meta['num_documents']} documents, {meta['num_tokens']} tokens -> {d.output_prefix}.bin/.idx "
-        f"({meta['dtype']}); {meta['tokens_per_second']:.0f} tokens/s with {d.workers} worker(s) "
-        f"({meta['seconds']:.2f}s, plus {meta['setup_seconds']:.2f}s loading the tokenizer)"
-        + (f"; skipped {skipped} records: {meta['skipped']}" if skipped else "")
+        f"preprocess: read {meta['num_documents'] + skipped} records, wrote {meta['num_documents']} documents "
+        f"({meta['num_tokens']} tokens) -> {d.output_prefix}.bin/.idx/.json ({meta['dtype']}), skipped {skipped}"
+        + (f" ({reasons})" if skipped else "")
+        + f"; {meta['tokens_per_second']:.0f} tokens/s with {d.workers} worker(s) ({meta['seconds']:.2f}s, plus "
+        f"{meta['setup_seconds']:.2f}s loading the tokenizer)"
     )
     return meta

@@ -35,6 +35,8 @@ def to_messages(record, fmt: str, where: str) -> List[Dict[str, str]]:
     if fmt == "alpaca":
         if "instruction" not in record or "output" not in record:
             raise _bad(where, "missing key instruction/output", "alpaca records need instruction, input, output")
+        if not all(isinstance(record.get(k, ""), str) for k in ("instruction", "input", "output", "system")):
+            raise _bad(where, "non-text field", "alpaca instruction, input, output and system must be strings")
         prompt = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
         msgs = [{"role": "system", "content": record["system"]}] if record.get("system") else []
         return msgs + [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
@@ -42,7 +44,11 @@ def to_messages(record, fmt: str, where: str) -> List[Dict[str, str]]:
         if "conversations" not in record:
             raise _bad(where, "missing key conversations", "sharegpt records need conversations: [{from, value}]")
         msgs = []
+        if not isinstance(record["conversations"], list):
+            raise _bad(where, "conversations is not a list", "sharegpt records need conversations: [{from, value}]")
         for turn in record["conversations"]:
+            if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+                raise _bad(where, "bad turn", "each turn is an object {from, value} with a string value")
             role = SHAREGPT_ROLES.get(turn.get("from"))
             if role is None or "value" not in turn:
                 raise _bad(where, f"bad turn (from={turn.get('from')!r})",
@@ -52,9 +58,11 @@ def to_messages(record, fmt: str, where: str) -> List[Dict[str, str]]:
     if fmt == "messages":
         if "messages" not in record:
             raise _bad(where, "missing key messages", "records need messages: [{role, content}]")
+        if not isinstance(record["messages"], list):
+            raise _bad(where, "messages is not a list", "records need messages: [{role, content}]")
         for m in record["messages"]:
-            if "role" not in m or "content" not in m:
-                raise _bad(where, "bad message", "each message needs role and content")
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise _bad(where, "bad message", "each message needs a string role and a string content")
         return [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
     raise UserError(f"data.format={fmt}: must be pretrain, alpaca, sharegpt or messages")
 

@@ -4,7 +4,9 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
-from speedllm.errors import UserError
+from speedllm.errors import UserError, reading
+
+FIX = "the tokenizer files are damaged; save the tokenizer again with save_pretrained"
 
 
 def _check_dir(path: str) -> Path:
@@ -22,7 +24,8 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     _check_dir(path)
-    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code, local_files_only=True)
+    with reading(f"data.tokenizer={path}", FIX):
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code, local_files_only=True)
 
 
 @lru_cache(maxsize=None)
@@ -36,12 +39,14 @@ def tokenizer_vocab_size(path: str) -> int:
     if (p / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(str(p / "tokenizer.json"))
+        with reading(f"data.tokenizer={path}: tokenizer.json", FIX):
+            tok = Tokenizer.from_file(str(p / "tokenizer.json"))
         size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
         config = p / "tokenizer_config.json"
         if config.is_file():
-            added = json.loads(config.read_text()).get("added_tokens_decoder", {})
-            size = max([size] + [int(i) + 1 for i in added])
+            with reading(f"data.tokenizer={path}: tokenizer_config.json", FIX):
+                added = json.loads(config.read_text()).get("added_tokens_decoder", {})
+                size = max([size] + [int(i) + 1 for i in added])
         return size
     tok = load_tokenizer(str(p))
     return max(tok.get_vocab().values()) + 1

@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from speedllm.errors import UserError
+from speedllm.outputs import write_text_atomic
 from speedllm.infer.engine import StopStrings, TextStream, generate_ids
 from speedllm.infer.load import DTYPES, load_model, load_tokenizer, pad_id_of, stop_ids_of
 from speedllm.infer.sampling import Sampling
@@ -29,6 +30,11 @@ from speedllm.runtime import Runtime
 
 def read_prompts(gen: DictConfig) -> List[str]:
     """generate.prompt, or generate.prompts_file: one prompt per line, or .jsonl rows (a string or {"prompt": …})."""
+    if gen.prompt == "-":
+        text = sys.stdin.read().rstrip("\n")
+        if not text.strip():
+            raise UserError("generate.prompt=- read an empty prompt from stdin; pipe some text in")
+        return [text]
     if gen.prompt is not None:
         return [str(gen.prompt)]
     if gen.prompts_file is None:
@@ -37,7 +43,13 @@ def read_prompts(gen: DictConfig) -> List[str]:
     path = Path(gen.prompts_file)
     if not path.is_file():
         raise UserError(f"generate.prompts_file={path} does not exist; point it at a text or .jsonl file")
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError as e:
+        raise UserError(f"generate.prompts_file={path} is not UTF-8 text (byte {e.start}); re-encode it as UTF-8") \
+            from None
+    if not lines:
+        raise UserError(f"generate.prompts_file={path} holds no prompts; write one prompt per line (or jsonl)")
     if path.suffix != ".jsonl":
         return lines
     prompts = []
@@ -119,6 +131,11 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
     prompts = read_prompts(gen)
     model = load_model(cfg, rt)
     tokenizer = load_tokenizer(cfg)
+    longest = max(len(encode(tokenizer, p, gen)) for p in prompts)
+    if longest + gen.max_new_tokens > cfg.model.max_position_embeddings and rt.is_main:
+        print(f"warning: a prompt of {longest} tokens + generate.max_new_tokens={gen.max_new_tokens} goes past the "
+              f"model's max_position_embeddings={cfg.model.max_position_embeddings}; text beyond it is unreliable",
+              file=sys.stderr)
     dp_rank, dp_size = (rt.mesh["dp"].get_local_rank(), rt.mesh["dp"].size()) if rt.mesh is not None else (0, 1)
     indices = list(range(dp_rank, len(prompts), dp_size))
     streaming = gen.stream and len(prompts) == 1 and rt.is_main
@@ -151,7 +168,5 @@ def report(rows: List[dict], gen: DictConfig, seconds: float, streaming: bool) -
     if gen.output is not None:
         out = Path(gen.output)
         out.parent.mkdir(parents=True, exist_ok=True)
-        with out.open("w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        write_text_atomic(out, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
         print(f"wrote {len(rows)} rows to {out}", file=sys.stderr)

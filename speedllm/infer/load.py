@@ -4,8 +4,9 @@ Weights come from our DCP checkpoints (`checkpoint.load=<step dir | checkpoints 
 layout) or a Hugging Face directory (`checkpoint.load_hf=<dir>`, normally with model=hf).
 """
 
+from pathlib import Path
+
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
@@ -23,7 +24,7 @@ def adopt_checkpoint_config(cfg: DictConfig) -> bool:
     (An HF directory needs nothing here: model=hf reads its config.json, and validation has already
     checked any other model= against it.)
     """
-    from speedllm.checkpoint.dcp import resolve_load
+    from speedllm.checkpoint.dcp import read_saved_config, resolve_load
 
     ck = cfg.checkpoint
     if ck.load_hf is not None:
@@ -40,7 +41,7 @@ def adopt_checkpoint_config(cfg: DictConfig) -> bool:
         ck.load = str(path)
         if not frozen.is_file():
             return False
-        saved = OmegaConf.load(frozen)
+        saved = read_saved_config(path)
         if saved.model != cfg.model:
             print(f"model and tokenizer from {frozen}: {saved.model.name}")
         cfg.model = OmegaConf.merge(cfg.model, saved.model)
@@ -55,15 +56,13 @@ def load_weights(model: nn.Module, cfg: DictConfig) -> None:
 
         load_hf_weights(model, cfg.checkpoint.load_hf)
         return
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from speedllm.checkpoint.dcp import _quiet_dcp
+    from speedllm.checkpoint.dcp import dcp_load
 
     # Only the "model" part of a training checkpoint; DCP reshards it to this layout.
     state = {"model": get_model_state_dict(model)}
-    with _quiet_dcp():
-        dcp.load(state, checkpoint_id=cfg.checkpoint.load, no_dist=not dist.is_initialized())
+    dcp_load(state, Path(cfg.checkpoint.load))
     set_model_state_dict(model, state["model"])
 
 

@@ -66,9 +66,23 @@ def format_table(cfg: DictConfig, planner: Planner, result: SearchResult, second
     return "\n".join(lines)
 
 
+def demo_sized_note(cfg: DictConfig):
+    """A plan for a real model with the demo's sequence length and batch says what to pass instead (or None)."""
+    t, m = cfg.train, cfg.model
+    if t.seq_len >= 1024 or m.hidden_size < 1024:  # real settings, or a demo-sized model
+        return None
+    seq_len = min(4096, m.max_position_embeddings)
+    return (f"note: planning {m.name} with train.seq_len={t.seq_len} and train.global_batch_size="
+            f"{t.global_batch_size}, the CPU demo's sizes; for a real run pass e.g. train.seq_len={seq_len} "
+            f"train.global_batch_size={(1 << 22) // seq_len} (about 4M tokens per step)")
+
+
 def run(cfg: DictConfig, rt) -> None:
     """Print the plan for cfg.model on device_count(cfg) devices of cfg.hardware."""
     start = time.perf_counter()
+    note = demo_sized_note(cfg)
+    if note is not None:
+        print(note)
     problem = problem_from_config(cfg, device_count(cfg))
     if problem.global_batch < problem.world:
         # every layout would leave devices without a sequence; plan the smallest batch that feeds them all

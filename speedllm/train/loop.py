@@ -15,6 +15,7 @@ import os
 import random
 import time
 import warnings
+from pathlib import Path
 from typing import Dict, List
 
 import numpy as np
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from speedllm.checkpoint.dcp import load_checkpoint, resolve_load, save_checkpoint
+from speedllm.checkpoint.dcp import latest_checkpoint, load_checkpoint, resolve_load, save_checkpoint
 from speedllm.checkpoint.hf import load_hf_weights
 from speedllm.hardware import DTYPES
 from speedllm.parallel import ParallelModel, clip_grad_norm, materialize, output_loss_for, parallelize
@@ -203,7 +204,8 @@ def run(cfg, rt: Runtime) -> None:
     def checkpoint() -> None:
         extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
                  "rng": rng_state(rt.device)}
-        save_checkpoint(ck.dir, step, pm.module, optimizer, extra, cfg, ck.keep)
+        saved = save_checkpoint(ck.dir, step, pm.module, optimizer, extra, cfg, ck.keep)
+        logger.message(f"checkpoint: step {step} saved to {saved}")
 
     tokens_per_step = t.global_batch_size * t.seq_len
     flops_tok = flops_per_token(cfg.model, t.seq_len)
@@ -251,6 +253,11 @@ def run(cfg, rt: Runtime) -> None:
             checkpoint()
     finally:
         logger.close()
+    root = Path(ck.dir).absolute()
+    if rt.is_main and latest_checkpoint(str(root)) is not None:
+        print(f"checkpoint: {latest_checkpoint(str(root))}\n"
+              f"  generate: python launch.py task=generate checkpoint.load={root} generate.prompt=\"ROMEO:\"\n"
+              f"  resume:   the same command plus checkpoint.load={root} (raise train.steps to train further)")
     if step >= t.steps and cfg.generate.num_samples > 0:
         if pm.pipeline is None:
             print_samples(pm.module, cfg, rt.is_main)

@@ -17,6 +17,8 @@ from typing import Dict
 import torch
 from omegaconf import DictConfig
 
+from speedllm.outputs import write_text_atomic
+
 
 def is_moe_layer(model: DictConfig, layer: int) -> bool:
     """transformers' rule for which decoder layers of Qwen3-MoE use experts."""
@@ -79,7 +81,11 @@ class MetricsLogger:
             return
         run_path = Path(run_dir)
         run_path.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(run_path / "metrics.jsonl", "a")
+        path = run_path / "metrics.jsonl"
+        if path.is_file():  # a resumed run redoes the steps after its checkpoint: their earlier rows go
+            rows = path.read_text().splitlines(keepends=True)
+            write_text_atomic(path, "".join(r for r in rows if json.loads(r)["step"] <= start_step))
+        self.jsonl = open(path, "a")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(log_dir=str(run_path / "tensorboard"))

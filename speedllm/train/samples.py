@@ -21,8 +21,10 @@ def sample_prompts(cfg: DictConfig, tokenizer) -> List[str]:
     start, end = split_range(len(records), cfg.data.split, "valid")
     prompts = []
     for where, record in records[start:end][: cfg.generate.num_samples]:
-        question = [m for m in to_messages(record, cfg.data.format, where) if m["role"] != "assistant"]
-        prompts.append(tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True))
+        messages = to_messages(record, cfg.data.format, where)
+        # the whole conversation up to its last assistant turn, which the model is asked to write
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
+        prompts.append(tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True))
     return prompts
 
 
