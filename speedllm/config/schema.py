@@ -80,7 +80,7 @@ class HardwareConfig:
 class TaskConfig:
     """What the run does: conf/task/<name>.yaml names the callable `_target_(cfg, rt)` that runs it."""
 
-    name: str = "pretrain"  # pretrain | sft | generate | chat | evaluate | preprocess | convert | plan | doctor
+    name: str = "pretrain"  # pretrain | sft | generate | chat | serve | evaluate | preprocess | convert | plan | doctor
     _target_: str = "speedllm.train.loop.run"
     # planning or converting between machines: one process, no devices (the world size is not launched)
     in_process: bool = False
@@ -231,8 +231,26 @@ class GenerateConfig:
 
 @dataclass
 class EvaluateConfig:
+    # perplexity over a split of data= (when tasks is empty)
     split: str = "valid"
     steps: int = 20
+    # lm-eval task suites (the .[eval] extra): names, local task YAMLs, few-shot examples, samples per task
+    tasks: List[str] = field(default_factory=list)
+    include_path: Optional[str] = None
+    num_fewshot: Optional[int] = None
+    limit: Optional[float] = None  # samples per task (a fraction when < 1)
+    batch_size: int = 8
+
+
+@dataclass
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch: int = 8  # requests decoded together (rows of the slot KV cache)
+    max_queue: int = 64  # requests waiting for a row; beyond it the server answers 503
+    max_len: int = 4096  # tokens per request, prompt + completion (capped at model.max_position_embeddings)
+    api_key: Optional[str] = None  # when set, clients must send "Authorization: Bearer <key>"
+    model_name: Optional[str] = None  # the served model's id; default: the HF directory's name or model.name
 
 
 @dataclass
@@ -266,6 +284,7 @@ class RunConfig:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     convert: ConvertConfig = field(default_factory=ConvertConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     seed: int = 1234
     run_dir: str = "${hydra:runtime.output_dir}"

@@ -210,7 +210,20 @@ def check_inference(cfg: DictConfig) -> None:
         (0 < gen.top_p <= 1, f"generate.top_p={gen.top_p} must be in (0, 1] (1 = off)"),
         (gen.repetition_penalty > 0, f"generate.repetition_penalty={gen.repetition_penalty} must be > 0 (1 = off)"),
         (cfg.evaluate.steps >= 1, f"evaluate.steps={cfg.evaluate.steps} must be >= 1"),
+        (cfg.evaluate.batch_size >= 1, f"evaluate.batch_size={cfg.evaluate.batch_size} must be >= 1"),
     ]
+    s = cfg.serve
+    if cfg.task.name == "serve":
+        rules += [
+            (1 <= s.port <= 65535, f"serve.port={s.port} must be in 1..65535"),
+            (s.max_batch >= 1, f"serve.max_batch={s.max_batch} must be >= 1"),
+            (s.max_queue >= 1, f"serve.max_queue={s.max_queue} must be >= 1"),
+            (s.max_len >= 2, f"serve.max_len={s.max_len} must be >= 2 (prompt + completion tokens per request)"),
+        ]
+    include = cfg.evaluate.include_path
+    if cfg.task.name == "evaluate" and include is not None and not os.path.isdir(include):
+        rules.append((False, f"evaluate.include_path={include} is not a directory; point it at a directory of "
+                             "lm-eval task YAMLs"))
     for ok, message in rules:
         if not ok:
             raise UserError(message)

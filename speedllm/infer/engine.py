@@ -36,18 +36,23 @@ def new_cache(model_cfg, batch: int, max_len: int, dtype, device, tp: int = 1) -
 
 
 @contextlib.contextmanager
-def last_position_only(model: nn.Module):
-    """During the prefill only the last position's logits are needed (transformers' logits_to_keep=1): the
-    final norm hands on just that position, so the output projection runs on one token per row. (A pipeline
-    rank's model has no final norm of its own: it computes every position's logits.)"""
+def keep_positions(model: nn.Module, keep: slice):
+    """Only positions `keep` reach the output projection (transformers' logits_to_keep): the final norm hands
+    on just those, so the [B, S, V] logits of every position are never made. (A pipeline rank's model has no
+    final norm of its own: it computes every position's logits.)"""
     if getattr(model, "norm", None) is None:
         yield
         return
-    handle = model.norm.register_forward_hook(lambda module, args, out: out[:, -1:])
+    handle = model.norm.register_forward_hook(lambda module, args, out: out[:, keep])
     try:
         yield
     finally:
         handle.remove()
+
+
+def last_position_only(model: nn.Module):
+    """During the prefill only the last position's logits are needed."""
+    return keep_positions(model, slice(-1, None))
 
 
 class StopStrings:

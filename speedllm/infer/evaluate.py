@@ -1,12 +1,15 @@
-"""task=evaluate: loss, perplexity and tokens/s of any checkpoint over a dataset split.
+"""task=evaluate: loss, perplexity and tokens/s of any checkpoint over a dataset split; with evaluate.tasks,
+lm-eval's task suites instead (speedllm.infer.harness).
 
     python launch.py task=evaluate checkpoint.load=outputs/<run>/checkpoints [evaluate.split=test evaluate.steps=50]
+    python launch.py task=evaluate checkpoint.load=outputs/<run>/checkpoints evaluate.tasks=[hellaswag]
 
 Reads evaluate.steps micro-batches (train.micro_batch_size x train.seq_len) of the split per data-parallel
 rank, exactly as training's loader does, and reports exp(total cross-entropy / target tokens). The numbers
 are printed and written to <run_dir>/eval.json.
 """
 
+import importlib.util
 import json
 import math
 import time
@@ -28,6 +31,12 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
     from speedllm.data.loader import build_loader
 
     ev, t = cfg.evaluate, cfg.train
+    if ev.tasks:
+        if importlib.util.find_spec("lm_eval") is None:
+            raise UserError("evaluate.tasks runs lm-eval: pip install -e '.[eval]'")
+        from speedllm.infer import harness
+
+        return harness.run(cfg, rt)
     model = load_model(cfg, rt)
     dp_rank, dp_size, group = 0, 1, None
     if rt.mesh is not None:

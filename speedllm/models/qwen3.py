@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from speedllm.models.kv_cache import SlotCache
 from speedllm.models.moe import MoE, load_balancing_loss
 from speedllm.ops import Ops, get_ops
 from speedllm.ops.loss import chunked_cross_entropy
@@ -199,15 +200,19 @@ class Qwen3(nn.Module):
             document_ids: [B, S] packed sequences: tokens attend only within their own document.
             attention_mask: [B, S] (or [B, T]) 1 = token, 0 = left padding.
             kv_cache: a KVCache; this step's keys/values are written at its position, which then advances.
+                Or a SlotCache (continuous batching), which also gives the positions and the mask.
         Returns hidden states instead of logits when `lm_head` is None.
         """
         h_BSD = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens
         B, S = h_BSD.shape[:2]
-        start = kv_cache.pos if kv_cache is not None else 0
-        if position_ids is None:
-            position_ids = torch.arange(start, start + S, device=h_BSD.device).expand(B, S)
+        if isinstance(kv_cache, SlotCache):  # continuous batching: each row continues at its own length
+            position_ids, mask = kv_cache.positions(), kv_cache.attention_mask()
+        else:
+            start = kv_cache.pos if kv_cache is not None else 0
+            if position_ids is None:
+                position_ids = torch.arange(start, start + S, device=h_BSD.device).expand(B, S)
+            mask = self.attention_mask(B, S, start, document_ids, attention_mask, kv_cache, h_BSD.device)
         cos_BSD, sin_BSD = self.rope(position_ids, h_BSD.dtype)
-        mask = self.attention_mask(B, S, start, document_ids, attention_mask, kv_cache, h_BSD.device)
         token_mask = attention_mask[:, -S:] if attention_mask is not None else None
 
         moe_stats = []
