@@ -24,7 +24,7 @@ import openai
 import torch
 from bench_generate import model_cfg
 
-from speedllm.config.schema import ASSETS, ROOT
+from speedllm.paths import ASSETS, ROOT
 from speedllm.models.hf_adapter import hf_config
 
 PROMPT_LEN = 16

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from speedllm.config import register_configs
-from speedllm.config.schema import ASSETS, ROOT
+from speedllm.config import compose_config
+from speedllm.paths import ASSETS, ROOT
 from speedllm.launcher import launch
 
 DEMO_TOKENIZER = ASSETS / "tokenizers" / "demo"
@@ -27,15 +26,9 @@ DEMO_TOKENIZER = ASSETS / "tokenizers" / "demo"
 SMALL = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=1", "model.head_dim=8"]
 
 
-def composed(*overrides):
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        return compose("config", overrides=list(overrides))
-
-
 def run_inprocess(tmp_path, capsys, *overrides):
     """launch() on the composed config; returns (status, stdout, stderr)."""
-    cfg = composed(f"run_dir={tmp_path / 'run'}", "logging.progress_bar=false", "logging.tensorboard=false",
+    cfg = compose_config(f"run_dir={tmp_path / 'run'}", "logging.progress_bar=false", "logging.tensorboard=false",
                    *overrides)
     status = launch(cfg)
     out, err = capsys.readouterr()
@@ -68,7 +61,7 @@ def checkpoint(tmp_path_factory):
     from speedllm.models.qwen3 import Qwen3
 
     root = tmp_path_factory.mktemp("ckpt")
-    cfg = composed(f"run_dir={root}", *SMALL, "model.max_position_embeddings=64")
+    cfg = compose_config(f"run_dir={root}", *SMALL, "model.max_position_embeddings=64")
     OmegaConf.resolve(cfg)
     model = Qwen3(cfg.model)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -723,7 +716,7 @@ def test_prompt_dash_reads_stdin(monkeypatch):
     from speedllm.infer.generate import read_prompts
 
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hello, world\nsecond line\n"))
-    assert read_prompts(composed("task=generate", "generate.prompt=-").generate) == ["Hello, world\nsecond line"]
+    assert read_prompts(compose_config("task=generate", "generate.prompt=-").generate) == ["Hello, world\nsecond line"]
 
 
 def test_generation_past_the_trained_context_says_so(ckpt, tmp_path, capsys):
@@ -737,15 +730,15 @@ def test_training_only_rules_do_not_apply_to_inference():
     from speedllm.config.validate import check_batch
     from speedllm.errors import UserError
 
-    check_batch(composed("task=generate", "generate.prompt=x", "train.seq_len=8192"))  # past 4096 positions: fine
+    check_batch(compose_config("task=generate", "generate.prompt=x", "train.seq_len=8192"))  # past 4096 positions: fine
     with pytest.raises(UserError, match="train.seq_len=8192 exceeds max_position_embeddings=4096"):
-        check_batch(composed("train.seq_len=8192"))
+        check_batch(compose_config("train.seq_len=8192"))
 
 
 def test_plan_with_demo_sizes_on_a_big_model_says_what_to_pass():
     from speedllm.planner.plan import demo_sized_note
 
-    note = demo_sized_note(composed("task=plan", "model=qwen3_8b"))
+    note = demo_sized_note(compose_config("task=plan", "model=qwen3_8b"))
     assert "train.seq_len=128" in note and "train.seq_len=4096 train.global_batch_size=1024" in note
-    assert demo_sized_note(composed("task=plan")) is None  # the demo model with the demo sizes
-    assert demo_sized_note(composed("task=plan", "model=qwen3_8b", "train.seq_len=4096")) is None
+    assert demo_sized_note(compose_config("task=plan")) is None  # the demo model with the demo sizes
+    assert demo_sized_note(compose_config("task=plan", "model=qwen3_8b", "train.seq_len=4096")) is None

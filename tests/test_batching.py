@@ -3,7 +3,6 @@
 import threading
 
 import torch
-from test_generate import VOCAB, build_pair, tiny_cfg
 
 from speedllm.infer.batching import Batcher, Request
 from speedllm.infer.engine import generate_ids
@@ -28,11 +27,11 @@ def run_requests(model, requests, max_batch, stop_ids=()):
     return batcher
 
 
-def test_rows_joining_and_leaving_match_single_request_generation():
-    _, ours = build_pair(tiny_cfg(), seed=3)
+def test_rows_joining_and_leaving_match_single_request_generation(hf_pair):
+    cfg, _, ours = hf_pair(seed=3)
     gen = torch.Generator().manual_seed(4)
     lengths, budgets = (6, 11, 1, 8, 3, 9, 5), (12, 5, 9, 16, 7, 3, 10)
-    prompts = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+    prompts = [torch.randint(1, cfg.vocab_size, (n,), generator=gen).tolist() for n in lengths]
     sampled = Sampling(temperature=1.0, top_k=20, top_p=0.9)
     settings = [(Sampling(), None) if i % 2 == 0 else (sampled, 100 + i) for i in range(len(prompts))]
     expected = [generate_ids(ours, [p], n, s, [], 0, torch.float32, seed=seed or 0)[0]
@@ -44,8 +43,8 @@ def test_rows_joining_and_leaving_match_single_request_generation():
     assert all(r.finish_reason == "length" for r in requests)
 
 
-def test_stop_ids_end_one_row_and_free_it():
-    _, ours = build_pair(tiny_cfg(), seed=5)
+def test_stop_ids_end_one_row_and_free_it(hf_pair):
+    _, _, ours = hf_pair(seed=5)
     prompts = [[5, 6, 7], [9, 10, 11, 12], [3, 4], [20, 21, 22]]
     free = [generate_ids(ours, [p], 12, Sampling(), [], 0, torch.float32)[0] for p in prompts]
     eos = free[1][3]

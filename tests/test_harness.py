@@ -15,12 +15,12 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 from lm_eval import simple_evaluate  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
-from test_generate import DEMO_TOKENIZER, build_pair, tiny_cfg  # noqa: E402
 
-from speedllm.config.schema import ROOT  # noqa: E402
+from speedllm.paths import ASSETS, ROOT  # noqa: E402
 from speedllm.data.tokenizer import load_tokenizer  # noqa: E402
 from speedllm.infer.harness import SpeedLM  # noqa: E402
 
+DEMO_TOKENIZER = ASSETS / "tokenizers" / "demo"
 QUESTIONS = [("The king of Denmark is", ["Hamlet", "Lear", "Romeo", "Macbeth"], 0),
              ("Romeo loves", ["Juliet", "Ophelia", "Desdemona"], 0),
              ("A rose by any other name would smell as", ["sweet", "sour", "bitter", "foul"], 0),
@@ -75,11 +75,11 @@ metric_list:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, hf_pair):
     """A tiny random Qwen3 saved by transformers, our model with its weights, and the task files."""
     path = tmp_path_factory.mktemp("hf")
     tok = load_tokenizer(str(DEMO_TOKENIZER))
-    hf, ours = build_pair(tiny_cfg(vocab_size=len(tok), tie_word_embeddings=True), seed=9)
+    _, hf, ours = hf_pair(seed=9, vocab_size=len(tok), tie_word_embeddings=True)
     hf.save_pretrained(path)
     for f in DEMO_TOKENIZER.iterdir():
         shutil.copy(f, path)

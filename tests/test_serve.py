@@ -18,9 +18,9 @@ import httpx
 import openai
 import pytest
 import torch
-from test_generate import DEMO_TOKENIZER, build_pair, hf_greedy, stop_ids, tiny_cfg
+from test_generate import DEMO_TOKENIZER, hf_greedy, stop_ids
 
-from speedllm.config.schema import ROOT
+from speedllm.paths import ROOT
 from speedllm.data.tokenizer import load_tokenizer
 from speedllm.infer.batching import Batcher
 from speedllm.infer.serve import ApiError, Server, build_app
@@ -48,11 +48,11 @@ def wait_healthy(url, proc, timeout=180):
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
+def hf_dir(tmp_path_factory, hf_pair):
     """A tiny random Qwen3 saved by transformers (with the demo tokenizer), and that model."""
     path = tmp_path_factory.mktemp("hf")
     tok = load_tokenizer(str(DEMO_TOKENIZER))
-    hf, _ = build_pair(tiny_cfg(vocab_size=len(tok), tie_word_embeddings=True), seed=9)
+    _, hf, _ = hf_pair(seed=9, vocab_size=len(tok), tie_word_embeddings=True)
     hf.save_pretrained(path)
     for f in DEMO_TOKENIZER.iterdir():
         shutil.copy(f, path)
@@ -204,10 +204,10 @@ def test_sigterm_stops_the_server(server):
     assert "server stopped" in out
 
 
-def test_a_full_queue_answers_503():
+def test_a_full_queue_answers_503(hf_pair):
     """Requests wait while the batcher is not stepping; one past serve.max_queue gets a 503."""
     tok = load_tokenizer(str(DEMO_TOKENIZER))
-    _, ours = build_pair(tiny_cfg(vocab_size=len(tok)), seed=1)
+    _, _, ours = hf_pair(seed=1, vocab_size=len(tok))
     batcher = Batcher(ours, tok, stop_ids(tok), max_batch=1, max_len=32, max_queue=2, dtype=torch.float32)
     server = Server(batcher, tok, MODEL_ID, 32, None, False)
 
@@ -224,11 +224,11 @@ def test_a_full_queue_answers_503():
     assert batcher.num_waiting == 2
 
 
-def test_api_key_is_required_when_set():
+def test_api_key_is_required_when_set(hf_pair):
     from fastapi.testclient import TestClient
 
     tok = load_tokenizer(str(DEMO_TOKENIZER))
-    _, ours = build_pair(tiny_cfg(vocab_size=len(tok)), seed=1)
+    _, _, ours = hf_pair(seed=1, vocab_size=len(tok))
     batcher = Batcher(ours, tok, stop_ids(tok), max_batch=1, max_len=32, max_queue=2, dtype=torch.float32)
     http = TestClient(build_app(Server(batcher, tok, MODEL_ID, 32, "s3cret", False)))
     response = http.get("/v1/models")
