@@ -10,6 +10,7 @@ from glob import glob
 from omegaconf import DictConfig
 
 from speedllm.errors import UserError
+from speedllm.quant import FLOAT8_RECIPES, QUANT_NAMES, TRAINING
 
 CHOICES = {
     "hardware.device": ("cpu", "cuda", "npu"),
@@ -24,6 +25,7 @@ CHOICES = {
     "data.overlong": ("truncate", "drop"),
     "data.on_error": ("fail", "skip"),
     "convert.to": ("hf", "dcp"),
+    "quant.name": QUANT_NAMES,
     "task.name": ("pretrain", "sft", "generate", "chat", "evaluate", "preprocess", "convert", "plan", "doctor"),
 }
 INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
@@ -96,6 +98,35 @@ def check_batch(cfg: DictConfig) -> None:
     if p.tp > 1 and p.sequence_parallel and t.seq_len % p.tp:
         raise UserError(f"train.seq_len={t.seq_len} must be divisible by parallel.tp={p.tp} with sequence parallel; "
                         f"pick a multiple of {p.tp} or set parallel.sequence_parallel=false")
+
+
+def check_quant(cfg: DictConfig) -> None:
+    """quant= fits the task, the hardware and the model's layer widths."""
+    q, task, hw, m = cfg.quant, cfg.task.name, cfg.hardware, cfg.model
+    if q.name == "none":
+        return
+    if task in ("pretrain", "sft") and q.name not in TRAINING:
+        raise UserError(f"quant={q.name} quantizes a trained model for inference (task=generate/chat/evaluate/"
+                        f"convert); to train for int4 use quant=qat_int4, else quant=none")
+    if q.name == "float8":
+        if q.recipe not in FLOAT8_RECIPES:
+            raise UserError(f"quant.recipe={q.recipe} is not one of {', '.join(FLOAT8_RECIPES)}; pick one of them")
+        if not hw.float8:
+            raise UserError(f"quant=float8 needs float8 matmuls (NVIDIA SM 8.9+: H100/H200, hardware=h100|h200) but "
+                            f"hardware={hw.name} ({hw.device}) has none; use quant=none ({hw.dtype}) there, or "
+                            "quant=qat_int4 to train for int4 inference")
+    if q.name in ("int4_wo", "qat_int4"):
+        widths = {"hidden_size": m.hidden_size, "num_attention_heads x head_dim": m.num_attention_heads * m.head_dim}
+        if m.num_experts == 0 or m.mlp_only_layers or m.decoder_sparse_step > 1:
+            widths["intermediate_size"] = m.intermediate_size
+        bad = {k: v for k, v in widths.items() if v % q.group_size}
+        if q.group_size not in (32, 64, 128, 256) or bad:
+            raise UserError(f"quant.group_size={q.group_size} must be one of 32, 64, 128, 256 and divide every layer "
+                            f"input width of model {m.name} ({', '.join(f'{k}={v}' for k, v in widths.items())}); "
+                            "pick a divisor")
+    if cfg.parallel.tp > 1 and task in ("generate", "chat", "evaluate"):
+        raise UserError(f"quant={q.name} with parallel.tp={cfg.parallel.tp} is not supported yet (the quantized "
+                        "layers are not tensor-parallel); use parallel.tp=1 (int4 fits 8x more weights per device)")
 
 
 def check_world(cfg: DictConfig, world_size: int) -> None:
@@ -200,6 +231,7 @@ def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
     check_choices(cfg)
     check_parallel(cfg)
     check_batch(cfg)
+    check_quant(cfg)
     if cfg.task.name != "plan":
         check_world(cfg, world_size)
         check_paths(cfg)

@@ -11,6 +11,7 @@ from torch import nn
 
 from speedllm.errors import UserError
 from speedllm.hardware import DTYPES
+from speedllm.quant import quantize_for_inference
 from speedllm.runtime import Runtime
 
 
@@ -71,7 +72,7 @@ def load_weights(model: nn.Module, cfg: DictConfig) -> None:
 
 
 def load_model(cfg: DictConfig, rt: Runtime) -> nn.Module:
-    """The inference model of this rank: eval mode, weights loaded, in hardware.dtype."""
+    """The inference model of this rank: eval mode, weights loaded, in hardware.dtype, quantized for quant=."""
     from speedllm.models.qwen3 import Qwen3
 
     check_layout(cfg)
@@ -88,7 +89,7 @@ def load_model(cfg: DictConfig, rt: Runtime) -> nn.Module:
     if cfg.model.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight  # to_empty() unties shared weights
     load_weights(model, cfg)
-    return model.eval()
+    return quantize_for_inference(model.eval(), cfg.quant)
 
 
 def load_tokenizer(cfg: DictConfig):

@@ -1,5 +1,5 @@
 """Apply parallelism to a single-device model from the outside, in a fixed order:
-pipeline split -> TP/SP -> EP -> CP -> activation recompute -> torch.compile -> FSDP2.
+pipeline split -> TP/SP -> EP -> CP -> float8 / QAT wrappers -> activation recompute -> torch.compile -> FSDP2.
 
 Every step works on the model (or each pipeline stage of it) while it is still on the meta device;
 `materialize` then allocates this rank's pieces and fills them with the single-process initial weights.
@@ -68,6 +68,10 @@ def _parallelize_part(part: nn.Module, cfg: DictConfig, rt) -> None:
         from speedllm.parallel.context import apply_cp
 
         apply_cp(part, rt.mesh["cp"])
+    if cfg.quant.name in ("float8", "qat_int4"):
+        from speedllm.quant import prepare_for_training
+
+        prepare_for_training(part, cfg.quant, rt.device)
     if cfg.train.recompute != "none":
         apply_recompute(part, cfg.train.recompute)
     if cfg.train.compile:
