@@ -150,3 +150,20 @@ def test_quant_refused_before_launch_in_one_line(overrides, message, tmp_path):
     code, out, err = launch(*overrides, tmp_path=tmp_path)
     assert code == 2 and err.strip() == f"error: {message}"
     assert not (tmp_path / "config.yaml").exists()
+
+
+@pytest.mark.parametrize("name", ["int8_wo", "int4_wo"])
+def test_planner_inference_weight_bytes_match_the_quantized_model(name):
+    from speedllm.models import Qwen3
+    from speedllm.planner.memory import inference_weight_bytes
+
+    cfg = tiny_cfg(vocab_size=128, hidden_size=1024, intermediate_size=1024, num_hidden_layers=1,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=128)
+    model = quantize_for_inference(Qwen3(cfg).eval(), quant(name, 128))
+    stored = 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        parts = [getattr(tensor, n) for n in tensor.tensor_data_names] if hasattr(tensor, "tensor_data_names") else [tensor]
+        stored += sum(p.numel() * p.element_size() for p in parts)
+    planned, plain = inference_weight_bytes(cfg, quant(name, 128), "float32")
+    assert plain == sum(p.numel() * 4 for p in Qwen3(cfg).parameters())
+    assert planned == pytest.approx(stored, rel=0.015)  # int8: per-row scales are not counted
