@@ -59,6 +59,9 @@ def runners(cfg):
         hf_int8 = Qwen3ForCausalLM(hf_config(cfg)).eval()
     hf_int8.load_state_dict(hf.state_dict(), assign=True)
     hf_int8.tie_weights()
+    for name, buffer in hf.named_buffers():  # RoPE tables are not in the state dict
+        module, _, attr = name.rpartition(".")
+        setattr(hf_int8.get_submodule(module), attr, buffer)
     quantize_(hf_int8, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn.rsplit(".", 1)[-1] in QUANTIZED)
 
     def run_ours(model):

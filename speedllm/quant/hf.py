@@ -13,7 +13,7 @@ from pathlib import Path
 from speedllm.errors import UserError
 from speedllm.quant import inference_scheme
 
-EXPORTABLE = ("int8_wo", "int8_dyn")
+EXPORTABLE = ("int8_wo",)
 
 
 def check_exportable(name: str) -> None:
