@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from speedllm.config import register_configs
 from speedllm.config.schema import ROOT
 from speedllm.infer.engine import generate_ids
-from speedllm.infer.load import load_model
+from speedllm.infer.load import adopt_checkpoint_config, load_model
 from speedllm.infer.sampling import Sampling
 from speedllm.runtime import Runtime
 
@@ -27,8 +27,10 @@ NEW_TOKENS, PROMPT_LEN = 32, 16
 def config(checkpoint: str, quant: str):
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        return compose("config", overrides=["task=evaluate", f"checkpoint.load={checkpoint}", f"quant={quant}",
-                                            "run_dir=/tmp", "hardware=cpu"])
+        cfg = compose("config", overrides=["task=evaluate", f"checkpoint.load={checkpoint}", f"quant={quant}",
+                                           "run_dir=/tmp", "hardware=cpu"])
+    adopt_checkpoint_config(cfg)  # the checkpoint's step directory, model and tokenizer
+    return cfg
 
 
 @torch.inference_mode()
