@@ -167,3 +167,32 @@ def test_planner_inference_weight_bytes_match_the_quantized_model(name):
     planned, plain = inference_weight_bytes(cfg, quant(name, 128), "float32")
     assert plain == sum(p.numel() * 4 for p in Qwen3(cfg).parameters())
     assert planned == pytest.approx(stored, rel=0.015)  # int8: per-row scales are not counted
+
+
+def test_qat_int4_training_computes_with_the_int4_weights_inference_will_use(tmp_path):
+    """The training build path under quant=qat_int4: its loss is the loss of the same initial model with every
+    projection replaced by its int4 dequantization (torchao's), and gradients reach the fp32 weights."""
+    from test_train_loop import config
+    from torchao.quantization.utils import groupwise_affine_dequantize_tensor_from_qparams
+
+    from speedllm.quant.int4 import quantize_int4
+    from speedllm.runtime import Runtime
+    from speedllm.train.loop import build_model
+
+    qat = build_model(config(tmp_path, "quant=qat_int4", "quant.group_size=32"), Runtime()).module
+    plain = build_model(config(tmp_path, "quant=none"), Runtime()).module
+    plain.load_state_dict(qat.state_dict())  # same keys: QAT keeps the fp32 weights under their names
+    with torch.no_grad():
+        for fqn, module in plain.named_modules():
+            if is_quantized(module, fqn):
+                module.weight.copy_(groupwise_affine_dequantize_tensor_from_qparams(
+                    *quantize_int4(module.weight, 32), 4, 32))
+    assert sum(type(m).__name__ == "FakeQuantizedLinear" for m in qat.modules()) == 7 * 2
+    torch.manual_seed(0)
+    tokens, labels = torch.randint(0, 8192, (2, 32)), torch.randint(0, 8192, (2, 32))
+    loss, _ = qat(tokens, labels=labels)
+    with torch.no_grad():
+        expected, _ = plain(tokens, labels=labels)
+    assert torch.allclose(loss, expected, rtol=1e-5)
+    loss.backward()
+    assert qat.layers["0"].mlp.up_proj.weight.grad.abs().sum() > 0
