@@ -77,11 +77,12 @@ def quantize_for_inference(model: nn.Module, quant) -> nn.Module:
         return model
     from torchao.quantization import quantize_
 
-    quantize_(model, _torchao_inference_config(scheme, quant), filter_fn=is_quantized)
+    quantize_(model, torchao_inference_config(scheme, quant), filter_fn=is_quantized)
     return model
 
 
-def _torchao_inference_config(scheme: str, quant):
+def torchao_inference_config(scheme: str, quant):
+    """The torchao config of an inference scheme (int4 only where torchao has kernels for the device: GPUs)."""
     from torchao.quantization import (
         Float8DynamicActivationFloat8WeightConfig,
         Int4WeightOnlyConfig,

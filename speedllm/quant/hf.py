@@ -28,9 +28,9 @@ def quantize_hf_dir(fp_dir: Path, out: Path, quant) -> None:
     from transformers import AutoModelForCausalLM, TorchAoConfig
 
     from speedllm.checkpoint.hf import copy_tokenizer
-    from speedllm.quant import _torchao_inference_config
+    from speedllm.quant import torchao_inference_config
 
-    config = TorchAoConfig(_torchao_inference_config(inference_scheme(quant.name), quant),
+    config = TorchAoConfig(torchao_inference_config(inference_scheme(quant.name), quant),
                            modules_to_not_convert=["lm_head"])
     model = AutoModelForCausalLM.from_pretrained(str(fp_dir), quantization_config=config, dtype="auto")
     model.save_pretrained(str(out))
