@@ -1,6 +1,6 @@
 """Quality of quantized inference on trained checkpoints: perplexity on the valid split and greedy agreement.
 
-    python benchmarks/quant_quality.py <checkpoint dir> [<qat checkpoint dir>] [--steps 20] [--prompts 8]
+    python benchmarks/quant_quality.py <checkpoint dir> [<qat checkpoint dir>] [--steps 20] [--prompts 8] [--group-size 128]
 
 For the first checkpoint (trained in full precision): perplexity of fp32, int8_wo and int4_wo (post-training
 quantization) over --steps micro-batches of the valid split, exactly as task=evaluate reads them, and the share
@@ -24,11 +24,11 @@ from speedllm.runtime import Runtime
 NEW_TOKENS, PROMPT_LEN = 32, 16
 
 
-def config(checkpoint: str, quant: str):
+def config(checkpoint: str, quant: str, group_size: int):
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose("config", overrides=["task=evaluate", f"checkpoint.load={checkpoint}", f"quant={quant}",
-                                           "run_dir=/tmp", "hardware=cpu"])
+                                           f"quant.group_size={group_size}", "run_dir=/tmp", "hardware=cpu"])
     adopt_checkpoint_config(cfg)  # the checkpoint's step directory, model and tokenizer
     return cfg
 
@@ -58,13 +58,14 @@ def main() -> None:
     parser.add_argument("qat_checkpoint", nargs="?")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=128, help="int4 group size (the QAT run's)")
     args = parser.parse_args()
     runs = [(args.checkpoint, q) for q in ("none", "int8_wo", "int4_wo")]
     if args.qat_checkpoint:
         runs.append((args.qat_checkpoint, "qat_int4"))
     reference = base_ppl = None
     for checkpoint, quant in runs:
-        cfg = config(checkpoint, quant)
+        cfg = config(checkpoint, quant, args.group_size)
         model = load_model(cfg, Runtime())
         if reference is None:
             prompts = prompts_of(cfg, args.prompts)
