@@ -1,7 +1,7 @@
 """task=convert: an HF directory to a DCP checkpoint, and any of our checkpoints back to an HF directory.
 
     python launch.py task=convert checkpoint.load_hf=<HF dir> convert.to=dcp convert.out=<dir>
-    python launch.py task=convert checkpoint.load=<checkpoint dir> convert.to=hf convert.out=<dir>
+    python launch.py task=convert checkpoint.load=<checkpoint dir> convert.to=hf convert.out=<dir> [quant=int8_wo]
 
 Both run in one process on the CPU. Our checkpoints are layout-free, so a checkpoint saved under any parallel
 layout converts the same way. The DCP checkpoint written here is laid out like a training checkpoint
@@ -119,6 +119,14 @@ def run(cfg: DictConfig, rt) -> None:
     """task=convert (one process): convert.to=dcp reads checkpoint.load_hf, convert.to=hf reads checkpoint.load."""
     if cfg.convert.to == "dcp":
         written = hf_to_dcp(cfg.checkpoint.load_hf, cfg.convert.out, cfg)
+    elif cfg.quant.name != "none":
+        from speedllm.quant.hf import check_exportable, quantize_hf_dir
+
+        check_exportable(cfg.quant.name)
+        out = Path(cfg.convert.out)
+        fp_dir = dcp_to_hf(cfg.checkpoint.load, str(out.parent / f".{out.name}.fp"), cfg)
+        quantize_hf_dir(fp_dir, out, cfg.quant)
+        written = out
     else:
         written = dcp_to_hf(cfg.checkpoint.load, cfg.convert.out, cfg)
     index = written / "model.safetensors.index.json"

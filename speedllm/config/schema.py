@@ -74,6 +74,17 @@ class HardwareConfig:
     inter_node_bandwidth_gbps: float = 1.0
     devices_per_node: int = 8
     env: Dict[str, str] = field(default_factory=dict)
+    float8: bool = False  # float8 matmuls (NVIDIA SM 8.9+: H100/H200/L40/RTX 40xx); gates quant=float8
+
+
+@dataclass
+class QuantConfig:
+    """quant=: weight quantization for inference, low-precision or quantization-aware training (speedllm.quant)."""
+
+    name: str = "none"  # none | int8_wo | int4_wo | int8_dyn | float8 | qat_int4
+    group_size: int = 128  # int4_wo / qat_int4: input features sharing one scale and zero
+    recipe: str = "tensorwise"  # float8: tensorwise | rowwise
+    fsdp_float8_all_gather: bool = True  # float8 tensorwise: FSDP2 all-gathers weights in float8
 
 
 @dataclass
@@ -275,6 +286,7 @@ class RunConfig:
     parallel: ParallelConfig = MISSING
     hardware: HardwareConfig = MISSING
     task: TaskConfig = MISSING
+    quant: QuantConfig = field(default_factory=QuantConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = MISSING

@@ -14,6 +14,7 @@ from speedllm.config.rules import divisors, inference_layout_errors, layout_erro
 from speedllm.errors import UserError
 from speedllm.hardware import DTYPES
 from speedllm.ops import IMPLEMENTATIONS
+from speedllm.quant import FLOAT8_RECIPES, QUANT_NAMES, TRAINING
 from speedllm.train.schedule import SCHEDULES
 
 CHOICES = {
@@ -30,6 +31,7 @@ CHOICES = {
     "data.on_error": ("fail", "skip"),
     "convert.to": ("hf", "dcp"),
     "launcher.rdzv_backend": ("c10d", "static", "etcd", "etcd-v2"),
+    "quant.name": QUANT_NAMES,
     "evaluate.split": ("train", "valid", "test"),
 }
 
@@ -199,6 +201,35 @@ def check_batch(cfg: DictConfig) -> None:
                         f"pick a multiple of {p.tp} or set parallel.sequence_parallel=false")
 
 
+def check_quant(cfg: DictConfig) -> None:
+    """quant= fits the task, the hardware and the model's layer widths."""
+    q, task, hw, m = cfg.quant, cfg.task.name, cfg.hardware, cfg.model
+    if q.name == "none":
+        return
+    if task in ("pretrain", "sft") and q.name not in TRAINING:
+        raise UserError(f"quant={q.name} quantizes a trained model for inference (task=generate/chat/evaluate/"
+                        f"convert); to train for int4 use quant=qat_int4, else quant=none")
+    if q.name == "float8":
+        if q.recipe not in FLOAT8_RECIPES:
+            raise UserError(f"quant.recipe={q.recipe} is not one of {', '.join(FLOAT8_RECIPES)}; pick one of them")
+        if not hw.float8:
+            raise UserError(f"quant=float8 needs float8 matmuls (NVIDIA SM 8.9+: H100/H200, hardware=h100|h200) but "
+                            f"hardware={hw.name} ({hw.device}) has none; use quant=none ({hw.dtype}) there, or "
+                            "quant=qat_int4 to train for int4 inference")
+    if q.name in ("int4_wo", "qat_int4"):
+        widths = {"hidden_size": m.hidden_size, "num_attention_heads x head_dim": m.num_attention_heads * m.head_dim}
+        if m.num_experts == 0 or m.mlp_only_layers or m.decoder_sparse_step > 1:
+            widths["intermediate_size"] = m.intermediate_size
+        bad = {k: v for k, v in widths.items() if v % q.group_size}
+        if q.group_size not in (32, 64, 128, 256) or bad:
+            raise UserError(f"quant.group_size={q.group_size} must be one of 32, 64, 128, 256 and divide every layer "
+                            f"input width of model {m.name} ({', '.join(f'{k}={v}' for k, v in widths.items())}); "
+                            "pick a divisor")
+    if cfg.parallel.tp > 1 and cfg.task.inference:
+        raise UserError(f"quant={q.name} with parallel.tp={cfg.parallel.tp} is not supported yet (the quantized "
+                        "layers are not tensor-parallel); use parallel.tp=1 (int4 fits 8x more weights per device)")
+
+
 def check_inference(cfg: DictConfig) -> None:
     """Sampling and evaluation settings of the tasks that run a trained model."""
     gen = cfg.generate
@@ -344,6 +375,7 @@ def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
     check_task(cfg, world_size)
     check_parallel(cfg)
     check_batch(cfg)
+    check_quant(cfg)
     if cfg.task.inference:
         check_inference(cfg)
     if cfg.task.name != "plan":

@@ -12,6 +12,7 @@ from torch import nn
 
 from speedllm.errors import UserError
 from speedllm.hardware import DTYPES
+from speedllm.quant import quantize_for_inference
 from speedllm.runtime import Runtime
 
 
@@ -66,7 +67,7 @@ def load_weights(model: nn.Module, cfg: DictConfig) -> None:
 
 
 def load_model(cfg: DictConfig, rt: Runtime) -> nn.Module:
-    """The inference model of this rank: eval mode, weights loaded, in hardware.dtype."""
+    """The inference model of this rank: eval mode, weights loaded, in hardware.dtype, quantized for quant=."""
     from speedllm.models.qwen3 import Qwen3
 
     with torch.device("meta"):
@@ -80,7 +81,7 @@ def load_model(cfg: DictConfig, rt: Runtime) -> nn.Module:
     model.to_empty(device=rt.device)
     model.tie_embeddings()  # to_empty() unties shared weights
     load_weights(model, cfg)
-    return model.eval()
+    return quantize_for_inference(model.eval(), cfg.quant)
 
 
 def load_tokenizer(cfg: DictConfig):

@@ -1,5 +1,5 @@
 """Apply parallelism to a single-device model from the outside, in a fixed order:
-pipeline split -> TP/SP -> EP -> CP -> activation recompute -> torch.compile -> FSDP2,
+pipeline split -> TP/SP -> EP -> CP -> float8 / QAT wrappers -> activation recompute -> torch.compile -> FSDP2,
 and return what was built as a value: a `ParallelModel`.
 
 Every step works on the model (or each pipeline stage of it) while it is still on the meta device;
@@ -95,8 +95,9 @@ def output_loss_for(dims: ParallelDims) -> Callable:
     return chunked_cross_entropy
 
 
-def _parallelize_part(part: nn.Module, dims: ParallelDims, parallel, train, param_dtype: torch.dtype) -> None:
-    """TP/SP, EP, CP, recompute, compile and FSDP2 on one model part (the model or a pipeline stage)."""
+def _parallelize_part(part: nn.Module, dims: ParallelDims, parallel, train, param_dtype: torch.dtype,
+                      device: torch.device, quant=None) -> None:
+    """TP/SP, EP, CP, float8/QAT, recompute, compile and FSDP2 on one model part (the model or a pipeline stage)."""
     expert_mesh = None
     if dims.tp > 1:
         from speedllm.parallel.tensor import apply_tp
@@ -111,6 +112,10 @@ def _parallelize_part(part: nn.Module, dims: ParallelDims, parallel, train, para
         from speedllm.parallel.context import apply_cp
 
         apply_cp(part, dims.mesh["cp"])
+    if quant is not None and quant.name in ("float8", "qat_int4"):
+        from speedllm.quant import prepare_for_training
+
+        prepare_for_training(part, quant, device)
     if train.recompute != "none":
         apply_recompute(part, train.recompute)
     if train.compile:
@@ -121,7 +126,7 @@ def _parallelize_part(part: nn.Module, dims: ParallelDims, parallel, train, para
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, parallel, train, param_dtype: torch.dtype,
-                device: torch.device) -> ParallelModel:
+                device: torch.device, quant=None) -> ParallelModel:
     """This rank's share of `model` (still on the meta device), parallelized for its place in the mesh.
 
     Args:
@@ -129,16 +134,17 @@ def parallelize(model: nn.Module, dims: ParallelDims, parallel, train, param_dty
         parallel: the layout's settings (schema ParallelConfig: schedule, FSDP, sequence parallel, stages).
         train: recompute and compile settings (schema TrainConfig).
         param_dtype: compute dtype of FSDP's mixed precision.
+        quant: the quant section (schema QuantConfig): float8 training or QAT wrap the linear layers.
     Layout combinations that cannot be built were rejected by validation (speedllm.config.rules).
     """
     if dims.pp == 1:
-        _parallelize_part(model, dims, parallel, train, param_dtype)
+        _parallelize_part(model, dims, parallel, train, param_dtype, device, quant)
         return ParallelModel(model, [model])
     from speedllm.parallel.pipeline import Pipeline, split_model
 
     rank_module, stages = split_model(model, parallel, dims.mesh["pp"].get_local_rank())
     for _, stage in stages:
-        _parallelize_part(stage, dims, parallel, train, param_dtype)
+        _parallelize_part(stage, dims, parallel, train, param_dtype, device, quant)
         for name, layer in stage.layers.items():
             rank_module.layers[name] = layer  # recompute may have wrapped it
     pipeline = Pipeline(rank_module, stages, parallel, dims.mesh, device)

@@ -407,6 +407,27 @@ def rank_memory(m, layout: Layout, sp: StageParams, pp_rank: int, seq_len: int,
     return mem
 
 
+def inference_weight_bytes(model_cfg, quant, dtype: str) -> Tuple[float, float]:
+    """(bytes of the whole model's weights for inference under `quant`, the same in `dtype`, unquantized).
+
+    The projections quantization applies to (speedllm.quant.QUANTIZED) take bytes_per_weight of their scheme;
+    embedding, output projection, norms, router and experts stay in the compute dtype.
+    """
+    from speedllm.quant import QUANTIZED, bytes_per_weight
+
+    mt = model_tensors(model_cfg)
+    e = DTYPES[dtype].itemsize
+    per_weight = bytes_per_weight(quant.name, e, quant.group_size)
+    total = plain = 0.0
+    tensors = [t for kind in mt.layer_kind for t in mt.layer_kinds[kind]] + list(mt.embed) + list(mt.head)
+    for t in tensors:
+        numel = math.prod(t.shape)
+        quantized = not t.expert and t.name.rsplit(".", 2)[-2] in QUANTIZED
+        total += numel * (per_weight if quantized else e)
+        plain += numel * e
+    return total, plain
+
+
 def tp_facts(mt: ModelTensors) -> Tuple[bool, bool, bool]:
     """Whether the TP plan splits the dense MLP width, the experts' width and the vocabulary."""
     layer_tensors = [t for kind in mt.layer_kinds for t in kind]

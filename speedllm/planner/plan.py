@@ -101,6 +101,12 @@ def run(cfg: DictConfig, rt) -> None:
         else:
             mine = planner.estimate(layout, cfg.parallel.pp_layers)
     print(format_table(cfg, planner, result, time.perf_counter() - start, mine))
+    if cfg.quant.name != "none":
+        from speedllm.planner.memory import GIB, inference_weight_bytes
+
+        quantized, plain = inference_weight_bytes(cfg.model, cfg.quant, cfg.hardware.dtype)
+        print(f"inference weights with quant={cfg.quant.name}: {quantized / GIB:.2f} GiB "
+              f"({quantized / plain:.2f}x of {plain / GIB:.2f} GiB in {cfg.hardware.dtype})")
     if note is not None:
         print(note)
     if result.best is None:

@@ -49,7 +49,7 @@ def build_model(cfg, rt: Runtime) -> ParallelModel:
     with torch.device("meta"):
         model = Qwen3(cfg.model, ops=cfg.hardware.ops, output_loss=output_loss_for(dims),
                       loss_chunk_size=cfg.train.loss_chunk_size)
-    pm = parallelize(model, dims, cfg.parallel, cfg.train, DTYPES[cfg.hardware.dtype], rt.device)
+    pm = parallelize(model, dims, cfg.parallel, cfg.train, DTYPES[cfg.hardware.dtype], rt.device, cfg.quant)
     materialize(pm, dims, rt.device)
     return pm
 

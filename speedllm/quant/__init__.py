@@ -1,0 +1,131 @@
+"""Quantization applied from outside the model (`quant=` config group), like parallelism.
+
+Which weights: the projections of attention and of the dense MLP (`QUANTIZED`). The embedding, the output
+projection (tied to the embedding in the small Qwen3s, and read directly by the chunked loss), norms and the
+MoE router stay in full precision; MoE experts too (their weights are stacked 3-D tensors used by a grouped
+matmul, which neither torchao's `quantize_` nor torch's packed matmuls take).
+
+    inference (task=generate/chat/evaluate/convert): quantize_for_inference() on the loaded model
+        int8_wo   torchao Int8WeightOnlyConfig (int8, per-channel scales)
+        int4_wo   CPU: speedllm.quant.int4 on torch's packed int4 matmul; GPU: torchao Int4WeightOnlyConfig
+        int8_dyn  torchao Int8DynamicActivationInt8WeightConfig
+        qat_int4  = int4_wo (the scheme it was trained against)
+        float8    torchao Float8DynamicActivationFloat8WeightConfig (float8 hardware only)
+    training (task=pretrain/sft): prepare_for_training() before FSDP, on the meta-device model
+        float8    torchao convert_to_float8_training (tensorwise with FSDP2 float8 all-gather, or rowwise)
+        qat_int4  torchao QAT: weights fake-quantized with int4_wo's exact scheme
+"""
+
+import torch
+from torch import nn
+
+QUANT_NAMES = ("none", "int8_wo", "int4_wo", "int8_dyn", "float8", "qat_int4")
+TRAINING = ("none", "float8", "qat_int4")
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
+QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def is_quantized(module: nn.Module, fqn: str) -> bool:
+    """The linear layers quantization applies to (see the module docstring for what stays full precision)."""
+    return isinstance(module, nn.Linear) and fqn.rsplit(".", 1)[-1] in QUANTIZED
+
+
+def inference_scheme(name: str) -> str:
+    """The weight format an inference task uses for quant=name (a QAT run is served as the int4 it trained for)."""
+    return "int4_wo" if name == "qat_int4" else name
+
+
+def bytes_per_weight(name: str, dtype_bytes: float, group_size: int = 128) -> float:
+    """Stored bytes per quantized weight at inference (scales and zeros included), for the planner.
+
+    int8: one byte plus one fp32 scale per output row (negligible); int4: half a byte plus a scale and zero per
+    group (the CPU kernel keeps them in bf16: 4 bytes per group).
+    """
+    scheme = inference_scheme(name)
+    if scheme in ("int8_wo", "int8_dyn"):
+        return 1.0
+    if scheme == "int4_wo":
+        return 0.5 + 4.0 / group_size
+    if scheme == "float8":
+        return 1.0
+    return dtype_bytes
+
+
+def _swap_linears(model: nn.Module, make) -> None:
+    """Replace every quantized nn.Linear with make(linear) (a new module; the parent's attribute is rebound)."""
+    for fqn, module in list(model.named_modules()):
+        if is_quantized(module, fqn):
+            parent_name, _, child = fqn.rpartition(".")
+            model.get_submodule(parent_name).register_module(child, make(module))
+
+
+@torch.no_grad()
+def quantize_for_inference(model: nn.Module, quant) -> nn.Module:
+    """Quantize the loaded full-precision model's linear layers in place for quant.name; returns the model.
+
+    Args:
+        quant: the `quant` config section (name, group_size).
+    """
+    scheme = inference_scheme(quant.name)
+    if scheme == "none":
+        return model
+    device = next(model.parameters()).device
+    if scheme == "int4_wo" and device.type == "cpu":
+        from speedllm.quant.int4 import Int4Linear
+
+        _swap_linears(model, lambda linear: Int4Linear.from_linear(linear, quant.group_size))
+        return model
+    from torchao.quantization import quantize_
+
+    quantize_(model, torchao_inference_config(scheme, quant), filter_fn=is_quantized)
+    return model
+
+
+def torchao_inference_config(scheme: str, quant):
+    """The torchao config of an inference scheme (int4 only where torchao has kernels for the device: GPUs)."""
+    from torchao.quantization import (
+        Float8DynamicActivationFloat8WeightConfig,
+        Int4WeightOnlyConfig,
+        Int8DynamicActivationInt8WeightConfig,
+        Int8WeightOnlyConfig,
+        PerRow,
+    )
+
+    return {
+        "int8_wo": lambda: Int8WeightOnlyConfig(),
+        "int4_wo": lambda: Int4WeightOnlyConfig(group_size=quant.group_size),
+        "int8_dyn": lambda: Int8DynamicActivationInt8WeightConfig(),
+        "float8": lambda: Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
+    }[scheme]()
+
+
+def qat_int4_config(group_size: int):
+    """torchao's fake quantization that reproduces speedllm.quant.int4.quantize_int4 (tinygemm asymmetric int4)."""
+    from torchao.quantization.qat import IntxFakeQuantizeConfig
+    from torchao.quantization.quant_primitives import ZeroPointDomain
+
+    return IntxFakeQuantizeConfig(torch.uint4, group_size=group_size, is_symmetric=False,
+                                  scale_precision=torch.float32, zero_point_precision=torch.float32,
+                                  zero_point_domain=ZeroPointDomain.FLOAT)
+
+
+def prepare_for_training(model: nn.Module, quant, device: torch.device) -> None:
+    """float8 or QAT wrappers on the linear layers of a (meta-device, TP-placed) model part, before FSDP2."""
+    if quant.name == "qat_int4":
+        from torchao.quantization import quantize_
+        from torchao.quantization.qat import QATConfig
+
+        quantize_(model, QATConfig(weight_config=qat_int4_config(quant.group_size), step="prepare"),
+                  filter_fn=is_quantized)
+    elif quant.name == "float8":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            from speedllm.errors import UserError
+
+            raise UserError(f"quant=float8 needs float8 matmuls (SM 8.9+), but {torch.cuda.get_device_name(device)} "
+                            "has none; use quant=none (bf16)")
+        config = Float8LinearConfig.from_recipe_name(quant.recipe)
+        if quant.recipe == "tensorwise":
+            config = Float8LinearConfig(enable_fsdp_float8_all_gather=quant.fsdp_float8_all_gather)
+        convert_to_float8_training(model, module_filter_fn=is_quantized, config=config)

@@ -1,0 +1,201 @@
+"""quant=: int8/int4 weight-only inference against torchao's own quantization in transformers, the int4 CPU kernel
+against torchao's dequantized weights, QAT fake quantization equal to the int4 it converts to, the quantized HF
+export loaded by transformers, the planner's bytes per weight, and the before-launch refusals."""
+
+import copy
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from test_generate import hf_greedy
+from torch import nn
+
+from speedllm.config import compose_config as composed
+from speedllm.config.schema import QuantConfig
+from speedllm.infer.engine import generate_ids
+from speedllm.paths import CONF
+from speedllm.infer.sampling import Sampling
+from speedllm.quant import QUANTIZED, bytes_per_weight, is_quantized, qat_int4_config, quantize_for_inference
+
+torchao = pytest.importorskip("torchao")
+
+GREEDY = Sampling(temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0)
+PROMPTS = [[5, 17, 3, 88], [9, 2], [40, 41, 42, 43, 44, 45], [77]]
+
+
+def quant(name, group_size=32):
+    return OmegaConf.structured(QuantConfig(name=name, group_size=group_size))
+
+
+@pytest.fixture
+def model_pair(hf_pair):
+    """A tiny random transformers Qwen3 and ours with the same weights (widths divisible by group size 32)."""
+    _, hf, ours = hf_pair(vocab_size=128, hidden_size=64, intermediate_size=128, initializer_range=0.1)
+    return hf, ours
+
+
+def test_every_quant_option_composes():
+    for path in sorted((CONF / "quant").glob("*.yaml")):
+        assert composed(f"quant={path.stem}").quant.name == path.stem
+
+
+def test_int8_wo_generates_the_tokens_of_transformers_with_the_same_torchao_quantization(model_pair):
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    hf, ours = model_pair
+    quantize_for_inference(ours, quant("int8_wo"))
+    quantize_(hf, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn.rsplit(".", 1)[-1] in QUANTIZED)
+    quantized = [name for name, m in ours.named_modules()
+                 if isinstance(m, nn.Linear) and type(m.weight).__name__ == "Int8Tensor"]
+    assert len(quantized) == 7 * 2 and not any("lm_head" in n or "embed" in n for n in quantized)
+    ids = generate_ids(ours, PROMPTS, 12, GREEDY, stop_ids=[], pad_id=0, dtype=torch.float32)
+    assert ids == hf_greedy(hf, PROMPTS, 12)
+
+
+def test_int4_linear_computes_with_torchaos_dequantized_weight():
+    from torchao.quantization.utils import groupwise_affine_dequantize_tensor_from_qparams
+
+    from speedllm.quant.int4 import Int4Linear, quantize_int4
+
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 96, bias=False)
+    q, scales, zeros = quantize_int4(linear.weight, 64)
+    dequant = groupwise_affine_dequantize_tensor_from_qparams(q, scales, zeros, 4, 64)
+    x = torch.randn(2, 3, 256)
+    expected = x @ dequant.t()
+    got = Int4Linear.from_linear(linear, 64)(x)
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    # bf16 activations in the kernel: errors of bf16 rounding, far below the int4 error itself
+    assert (got - expected).abs().max() < 2e-2 * expected.abs().max()
+    assert (expected - linear(x)).abs().max() > 5 * (got - expected).abs().max()
+
+
+def test_qat_fake_quantization_is_exactly_the_int4_it_converts_to():
+    from torchao.quantization import quantize_
+    from torchao.quantization.qat import QATConfig
+    from torchao.quantization.utils import groupwise_affine_dequantize_tensor_from_qparams
+
+    from speedllm.quant.int4 import quantize_int4
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 64, bias=False))
+    weight = model[0].weight.detach().clone()
+    quantize_(model, QATConfig(weight_config=qat_int4_config(32), step="prepare"))
+    fake = model[0].weight_fake_quantizer(model[0].weight)
+    assert torch.equal(fake, groupwise_affine_dequantize_tensor_from_qparams(*quantize_int4(weight, 32), 4, 32))
+
+
+def test_int4_and_int8_models_stay_close_to_fp32_on_text_the_fp32_model_wrote(model_pair):
+    _, ours = model_pair
+    torch.manual_seed(1)
+    text = torch.tensor([p[:1] for p in PROMPTS] * 2)
+    with torch.no_grad():  # 40 tokens sampled from the fp32 model: text it finds likely
+        for _ in range(40):
+            text = torch.cat([text, torch.multinomial(torch.softmax(ours(text)[:, -1], -1), 1)], 1)
+
+    def perplexity(model):
+        with torch.no_grad():
+            ce, _ = model(text[:, :-1], labels=text[:, 1:])
+        return float(torch.exp(ce / text[:, 1:].numel()))
+
+    fp32 = perplexity(ours)
+    int8 = perplexity(quantize_for_inference(copy.deepcopy(ours), quant("int8_wo")))
+    int4 = perplexity(quantize_for_inference(copy.deepcopy(ours), quant("int4_wo")))
+    assert abs(int8 / fp32 - 1) < 0.01 and abs(int4 / fp32 - 1) < 0.05
+    assert abs(int4 / fp32 - 1) > abs(int8 / fp32 - 1)  # fewer bits, further away
+
+
+def test_int8_hf_export_loads_in_transformers_with_the_same_greedy_tokens(model_pair, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from speedllm.checkpoint.convert import hf_to_dcp, run
+
+    hf, ours = model_pair
+    hf.save_pretrained(tmp_path / "hf")
+    cfg = composed("task=convert", f"checkpoint.load_hf={tmp_path / 'hf'}", "convert.to=dcp",
+                   f"convert.out={tmp_path / 'dcp'}", "logging.progress_bar=false", f"run_dir={tmp_path}")
+    hf_to_dcp(cfg.checkpoint.load_hf, cfg.convert.out, cfg)
+    cfg = composed("task=convert", f"checkpoint.load={tmp_path / 'dcp'}", "convert.to=hf", "quant=int8_wo",
+                   f"convert.out={tmp_path / 'q'}", "logging.progress_bar=false", f"run_dir={tmp_path}")
+    run(cfg, None)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "q").eval()
+    assert type(loaded.model.layers[0].mlp.up_proj.weight).__name__ == "Int8Tensor"
+    assert type(loaded.lm_head.weight) is nn.Parameter and loaded.lm_head.weight.dtype == torch.float32
+    assert not (tmp_path / ".q.fp").exists()
+    quantize_for_inference(ours, quant("int8_wo"))
+    assert hf_greedy(loaded, PROMPTS, 12) == generate_ids(ours, PROMPTS, 12, GREEDY, [], 0, torch.float32)
+
+
+def test_bytes_per_weight_follow_the_stored_format():
+    assert bytes_per_weight("none", 4.0) == 4.0 and bytes_per_weight("float8", 2.0) == 1.0
+    assert bytes_per_weight("int8_wo", 4.0) == 1.0
+    # int4 at group 128: half a byte plus a bf16 scale and zero per 128 weights, as Int4Linear stores them
+    from speedllm.quant.int4 import Int4Linear
+
+    layer = Int4Linear.from_linear(nn.Linear(1024, 512, bias=False), 128)
+    stored = sum(b.numel() * b.element_size() for b in layer.buffers())
+    assert stored == bytes_per_weight("int4_wo", 4.0, 128) * 1024 * 512 == bytes_per_weight("qat_int4", 4.0, 128) * 1024 * 512
+    assert is_quantized(nn.Linear(2, 2), "layers.0.mlp.up_proj") and not is_quantized(nn.Linear(2, 2), "lm_head")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["quant=float8", "hardware=cpu"],
+     "quant=float8 needs float8 matmuls (NVIDIA SM 8.9+: H100/H200, hardware=h100|h200) but hardware=cpu (cpu) has "
+     "none; use quant=none (float32) there, or quant=qat_int4 to train for int4 inference"),
+    (["quant=float8", "hardware=a100"],
+     "quant=float8 needs float8 matmuls (NVIDIA SM 8.9+: H100/H200, hardware=h100|h200) but hardware=a100 (cuda) has "
+     "none; use quant=none (bfloat16) there, or quant=qat_int4 to train for int4 inference"),
+    (["quant=int8_wo"],
+     "quant=int8_wo quantizes a trained model for inference (task=generate/chat/evaluate/convert); to train for int4 "
+     "use quant=qat_int4, else quant=none"),
+])
+def test_quant_refused_before_launch_in_one_line(overrides, message, launch, tmp_path):
+    code, out, err = launch(tmp_path, *overrides)
+    assert code == 2 and err.strip() == f"error: {message}"
+    assert not (tmp_path / "config.yaml").exists()
+
+
+@pytest.mark.parametrize("name", ["int8_wo", "int4_wo"])
+def test_planner_inference_weight_bytes_match_the_quantized_model(name, tiny_model_cfg):
+    from speedllm.models import Qwen3
+    from speedllm.planner.memory import inference_weight_bytes
+
+    cfg = tiny_model_cfg(vocab_size=128, hidden_size=1024, intermediate_size=1024, num_hidden_layers=1,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=128)
+    model = quantize_for_inference(Qwen3(cfg).eval(), quant(name, 128))
+    stored = 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        parts = [getattr(tensor, n) for n in tensor.tensor_data_names] if hasattr(tensor, "tensor_data_names") else [tensor]
+        stored += sum(p.numel() * p.element_size() for p in parts)
+    planned, plain = inference_weight_bytes(cfg, quant(name, 128), "float32")
+    assert plain == sum(p.numel() * 4 for p in Qwen3(cfg).parameters())
+    assert planned == pytest.approx(stored, rel=0.015)  # int8: per-row scales are not counted
+
+
+def test_qat_int4_training_computes_with_the_int4_weights_inference_will_use(tmp_path):
+    """The training build path under quant=qat_int4: its loss is the loss of the same initial model with every
+    projection replaced by its int4 dequantization (torchao's), and gradients reach the fp32 weights."""
+    from test_train_loop import config
+    from torchao.quantization.utils import groupwise_affine_dequantize_tensor_from_qparams
+
+    from speedllm.quant.int4 import quantize_int4
+    from speedllm.runtime import Runtime
+    from speedllm.train.loop import build_model
+
+    qat = build_model(config(tmp_path, "quant=qat_int4", "quant.group_size=32"), Runtime()).module
+    plain = build_model(config(tmp_path, "quant=none"), Runtime()).module
+    plain.load_state_dict(qat.state_dict())  # same keys: QAT keeps the fp32 weights under their names
+    with torch.no_grad():
+        for fqn, module in plain.named_modules():
+            if is_quantized(module, fqn):
+                module.weight.copy_(groupwise_affine_dequantize_tensor_from_qparams(
+                    *quantize_int4(module.weight, 32), 4, 32))
+    assert sum(type(m).__name__ == "FakeQuantizedLinear" for m in qat.modules()) == 7 * 2
+    torch.manual_seed(0)
+    tokens, labels = torch.randint(0, 8192, (2, 32)), torch.randint(0, 8192, (2, 32))
+    loss, _ = qat(tokens, labels=labels)
+    with torch.no_grad():
+        expected, _ = plain(tokens, labels=labels)
+    assert torch.allclose(loss, expected, rtol=1e-5)
+    loss.backward()
+    assert qat.layers["0"].mlp.up_proj.weight.grad.abs().sum() > 0
