@@ -16,6 +16,7 @@ CHOICES = {
     "hardware.backend": ("gloo", "nccl", "hccl"),
     "hardware.ops": ("reference", "cuda", "npu"),
     "hardware.dtype": ("float32", "bfloat16", "float16"),
+    "parallel.cp_mode": ("allgather", "ring", "ulysses", "hybrid"),
     "parallel.pp_schedule": ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"),
     "train.recompute": ("none", "selective", "full"),
     "optim.schedule": ("constant", "linear", "cosine", "wsd"),
@@ -49,6 +50,13 @@ def check_choices(cfg: DictConfig) -> None:
             raise UserError(f"{key}={value} is not one of {', '.join(allowed)}; pick one of them")
 
 
+def check_model(cfg: DictConfig) -> None:
+    from speedllm.models.rope import check_rope_scaling
+
+    if cfg.model.rope_scaling:
+        check_rope_scaling(cfg.model.rope_scaling, "model.rope_scaling")
+
+
 def check_parallel(cfg: DictConfig) -> None:
     m, p, name = cfg.model, cfg.parallel, cfg.model.name
     for key in ("tp", "pp", "vpp", "ep", "cp", "dp"):
@@ -59,6 +67,7 @@ def check_parallel(cfg: DictConfig) -> None:
         if heads % p.tp:
             raise UserError(f"parallel.tp={p.tp} does not divide {heads_key}={heads} of model {name}; "
                             f"use tp in {_divisors(m.num_key_value_heads)}")
+    check_context_parallel(cfg)
     stages = p.pp * p.vpp
     if p.pp_layers is not None:
         if len(p.pp_layers) != stages or sum(p.pp_layers) != m.num_hidden_layers or min(p.pp_layers) < 1:
@@ -80,6 +89,27 @@ def check_parallel(cfg: DictConfig) -> None:
         if (p.dp * p.cp) % p.ep:
             raise UserError(f"parallel.ep={p.ep} must divide parallel.dp x parallel.cp = {p.dp * p.cp} "
                             f"(experts are spread over the data/context ranks); raise dp or lower ep")
+
+
+def check_context_parallel(cfg: DictConfig) -> None:
+    """cp_mode's head and group rules; CP runs on whole models (no pipeline stages)."""
+    from speedllm.parallel.context import ulysses_degree
+
+    m, p = cfg.model, cfg.parallel
+    if p.cp == 1:
+        return
+    if p.pp > 1:
+        raise UserError(f"parallel.cp={p.cp} with parallel.pp={p.pp} is not supported (context parallelism hooks "
+                        "the whole model); use parallel.pp=1 with cp, or cp=1 with pp")
+    if p.cp_mode == "hybrid" and p.cp_ulysses and (p.cp % p.cp_ulysses or p.cp_ulysses >= p.cp):
+        raise UserError(f"parallel.cp_ulysses={p.cp_ulysses} must be a divisor of parallel.cp={p.cp} below it; "
+                        f"use one of {_divisors(p.cp)} except {p.cp}, or 0 to pick one")
+    n = ulysses_degree(p, m.num_attention_heads, cfg.hardware.devices_per_node)
+    heads = m.num_attention_heads // p.tp
+    if heads % n:
+        key = "parallel.cp" if p.cp_mode == "ulysses" else "parallel.cp_ulysses"
+        raise UserError(f"parallel.cp_mode={p.cp_mode}: {key}={n} must divide the attention heads per tp rank "
+                        f"({heads} of model {m.name}); use {key} in {_divisors(heads)} or cp_mode=ring")
 
 
 def check_batch(cfg: DictConfig) -> None:
@@ -198,6 +228,7 @@ def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
     """Run every rule; the first failure raises UserError."""
     check_hf_model(cfg)
     check_choices(cfg)
+    check_model(cfg)
     check_parallel(cfg)
     check_batch(cfg)
     if cfg.task.name != "plan":

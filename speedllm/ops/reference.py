@@ -35,6 +35,16 @@ def attention(q, k, v, mask, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
+def varlen_attention(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
+    """Causal attention per document, one SDPA call each: no [T, T] mask, cost sum(L^2) instead of T^2."""
+    bounds = cu_seqlens.tolist()
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        q, k, v = (x[start:end].transpose(0, 1) for x in (q_THD, k_TKD, v_TKD))
+        outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True))
+    return torch.cat(outs, dim=1).transpose(0, 1)
+
+
 def attention_math(q, k, v, mask, scale):
     """softmax(q k^T * scale + mask) v with kv heads repeated for GQA, softmax in fp32."""
     groups = q.shape[1] // k.shape[1]

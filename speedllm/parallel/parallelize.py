@@ -65,9 +65,10 @@ def _parallelize_part(part: nn.Module, cfg: DictConfig, rt) -> None:
         ep_mesh, expert_mesh = expert_meshes(rt.mesh, p.ep)
         apply_ep(part, ep_mesh)
     if rt.mesh is not None and p.cp > 1:
-        from speedllm.parallel.context import apply_cp
+        from speedllm.parallel.context import apply_cp, ulysses_degree
 
-        apply_cp(part, rt.mesh["cp"])
+        apply_cp(part, rt.mesh["cp"], p.cp_mode,
+                 ulysses_degree(p, cfg.model.num_attention_heads, cfg.hardware.devices_per_node))
     if cfg.train.recompute != "none":
         apply_recompute(part, cfg.train.recompute)
     if cfg.train.compile:
@@ -84,9 +85,6 @@ def parallelize(model: nn.Module, cfg: DictConfig, rt) -> nn.Module:
     (speedllm.parallel.pipeline.Pipeline) whose forward_backward the training loop uses.
     """
     p = cfg.parallel
-    if p.cp > 1 and (p.pp > 1 or cfg.model.num_experts > 0):
-        raise UserError(f"parallel.cp={p.cp} works with dense models without pipeline stages; set parallel.cp=1 "
-                        f"or use parallel.pp=1 and a dense model")
     if p.tp > 1 and cfg.model.num_experts > 0:
         raise UserError(f"parallel.tp={p.tp} with MoE model {cfg.model.name} is not supported; use parallel.ep "
                         f"for the experts and parallel.tp=1")
