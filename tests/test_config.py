@@ -131,7 +131,8 @@ RULES = [
     (["parallel=dp2", "train.global_batch_size=6", "train.micro_batch_size=2", "task=doctor"],
      "train.global_batch_size=6 is not divisible by train.micro_batch_size=2 x parallel.dp=2; use a multiple of 4"),
     (["train.seq_len=8192", "task=doctor"],
-     "train.seq_len=8192 exceeds max_position_embeddings=4096 of model qwen3_tiny; lower train.seq_len"),
+     "train.seq_len=8192 exceeds max_position_embeddings=4096 of model qwen3_tiny; lower train.seq_len, or "
+     "extend the model with model.rope_scaling (e.g. yarn) and a larger model.max_position_embeddings"),
     (["parallel=cp2", "train.seq_len=66", "task=doctor"],
      "train.seq_len=66 must be divisible by 2 x parallel.cp = 4 (load-balanced causal chunks); pick a multiple of 4"),
     (["parallel=tp2", "train.seq_len=33", "task=doctor"],

@@ -117,9 +117,10 @@ def check_batch(cfg: DictConfig) -> None:
     if t.global_batch_size % (t.micro_batch_size * p.dp):
         raise UserError(f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="
                         f"{t.micro_batch_size} x parallel.dp={p.dp}; use a multiple of {t.micro_batch_size * p.dp}")
-    if t.seq_len > m.max_position_embeddings:
+    if t.seq_len > m.max_position_embeddings and cfg.task.name != "plan":  # a plan only sizes the run
         raise UserError(f"train.seq_len={t.seq_len} exceeds max_position_embeddings={m.max_position_embeddings} of "
-                        f"model {m.name}; lower train.seq_len")
+                        f"model {m.name}; lower train.seq_len, or extend the model with model.rope_scaling "
+                        "(e.g. yarn) and a larger model.max_position_embeddings")
     if p.cp > 1 and t.seq_len % (2 * p.cp):
         raise UserError(f"train.seq_len={t.seq_len} must be divisible by 2 x parallel.cp = {2 * p.cp} "
                         f"(load-balanced causal chunks); pick a multiple of {2 * p.cp}")

@@ -9,7 +9,7 @@ the hook (every cp rank has the whole batch, so it knows every token's document 
 
   allgather  all-gather K/V of the whole sequence, mask by position and document      K/V memory: S
   ring       K/V blocks travel round the cp ranks; each block's partial attention is
-             merged by its log-sum-exp (online softmax)                              K/V memory: S / cp
+             merged by its log-sum-exp (online softmax) and recomputed in backward    scores: one block
   ulysses    all-to-all heads <-> sequence: each rank attends over the whole
              sequence for H / cp heads with the op set's (varlen) attention           needs H % cp == 0
   hybrid     ulysses inside groups of parallel.cp_ulysses ranks, ring across them
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import checkpoint
 
 from speedllm.models.qwen3 import document_bounds, masked_attention, varlen_attention
 
@@ -170,7 +171,9 @@ def _ring_attention(q_BLHD, k_BLKD, v_BLKD, scale, q_idx, block_idx, docs_BS, gr
     outs, lses = [], []
     for step in range(size):
         k_idx = block_idx[(rank - step) % size]
-        out, lse = _block_attention(q_BLHD, kv[0], kv[1], _allowed(q_idx, k_idx, docs_BS), scale)
+        # recomputed in backward: a block's [L, L] scores never outlive it
+        out, lse = checkpoint(_block_attention, q_BLHD, kv[0], kv[1], _allowed(q_idx, k_idx, docs_BS), scale,
+                              use_reentrant=False)
         outs.append(out)
         lses.append(lse)
         if step < size - 1:

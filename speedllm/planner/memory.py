@@ -18,12 +18,14 @@ import math
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from functools import lru_cache
+from types import SimpleNamespace
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from speedllm.parallel.context import ulysses_degree
 from speedllm.planner.layout import Layout, rank_stages
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -287,13 +289,37 @@ def layer_activation_bytes(m, layout: Layout, seq_len: int, dtype_bytes: int, mo
     norms = 2 * norm_b * h / sp + 2 * e * h
     # q and k: the projection and normed heads (kept by their RMSNorm), RoPE's input, the rotated heads (kept
     # by attention); v; attention's output and the contiguous copy fed to o_proj
-    attn = (norm_b + rope_b + e) * (q + kv) + e * kv + 2 * e * q + lse
+    attn = (norm_b + rope_b) * (q + kv) + e * q + attention_keys_bytes(m, layout, e) + 2 * e * q + lse
     if moe:
         router = 4 * m.num_experts  # fp32 router probabilities
         mlp = router + 2 * e * k_top * h + swiglu_b * k_top * i_moe  # rows sorted by expert, expert outputs
     else:
         mlp = swiglu_b * i_mlp
     return n * (norms + attn + mlp)
+
+
+def attention_keys_bytes(m, layout: Layout, e: int) -> float:
+    """Bytes per local token that attention keeps of keys and values (and, for ring attention, of each K/V
+    block's partial result), by parallel.cp_mode (speedllm/parallel/context.py).
+
+    allgather keeps the gathered K/V of the whole sequence; ulysses the K/V of all positions for its share
+    of the heads (kv heads repeated up to a multiple of cp); ring keeps every block it received and per block
+    the fp32 partial output, log-sum-exp and merge weight (the block's scores are recomputed in backward).
+    """
+    cp, tp = layout.cp, layout.tp
+    kv = m.num_key_value_heads * m.head_dim / tp
+    if cp == 1:
+        return 2 * e * kv
+    heads = m.num_attention_heads // tp
+    n = ulysses_degree(SimpleNamespace(cp_mode=layout.cp_mode, cp=cp, cp_ulysses=0), heads, 8)
+    kv_heads = m.num_key_value_heads // tp
+    kv *= n // math.gcd(kv_heads, n)  # repeated so the all-to-all splits them
+    if layout.cp_mode == "allgather":
+        return 2 * e * kv * cp
+    if layout.cp_mode == "ulysses":
+        return 2 * e * kv
+    ring = cp // n
+    return ring * (2 * e * kv + 4 * (m.num_attention_heads * m.head_dim / tp + 2 * heads))
 
 
 def in_flight(layout: Layout, pp_rank: int, num_micro: int) -> int:

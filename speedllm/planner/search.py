@@ -9,6 +9,7 @@ Interleaved1F1B and MindSpeed do).
 
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import product
 from types import SimpleNamespace
 from typing import Dict, List, Optional
 
@@ -22,6 +23,7 @@ from speedllm.train.metrics import flops_per_token
 
 MICRO_BATCHES = (1, 2, 4, 8)
 RECOMPUTE = ("none", "selective", "full")
+CP_MODES = {False: ("allgather",), True: ("ring", "ulysses")}  # by cp > 1; ring needs no head split
 VIRTUAL_STAGES = (1, 2, 4, 8)
 
 
@@ -145,15 +147,17 @@ class Planner:
         # combinations speedllm.parallel.parallelize does not build (yet)
         if m.num_experts and (layout.tp > 1 or layout.pp > 1):
             return "MoE models run with tp=1 and pp=1 (experts use ep)"
-        if layout.cp > 1 and (m.num_experts or layout.pp > 1):
-            return "context parallel needs a dense model and pp=1"
+        if layout.cp > 1 and layout.pp > 1:
+            return "context parallel needs pp=1"
+        if layout.cp_mode == "ulysses" and (m.num_attention_heads // layout.tp) % layout.cp:
+            return f"ulysses cp={layout.cp} does not divide the attention heads per tp rank"
         return None
 
     def layouts(self):
         """Every combination of degrees whose product is the device count."""
         m, world = self.p.model, self.p.world
         experts = _divisors(m.num_experts) if m.num_experts else [1]
-        cps = [c for c in _divisors(world) if c <= 8 and (c == 1 or self.p.seq_len >= 8192)]
+        cps = [c for c in _divisors(world) if c <= 64 and (c == 1 or self.p.seq_len >= 8192)]
         for tp in _divisors(world):
             for cp in [c for c in cps if (world // tp) % c == 0]:
                 for pp in _divisors(world // (tp * cp)):
@@ -161,10 +165,9 @@ class Planner:
                     for vpp in VIRTUAL_STAGES if pp > 1 else (1,):
                         schedule = "Interleaved1F1B" if vpp > 1 else "1F1B"
                         for ep in [x for x in experts if x <= dp * cp]:
-                            for mb in MICRO_BATCHES:
-                                for recompute in RECOMPUTE:
-                                    yield Layout(dp=dp, tp=tp, pp=pp, vpp=vpp, ep=ep, cp=cp, micro_batch=mb,
-                                                 recompute=recompute, schedule=schedule)
+                            for mb, recompute, cp_mode in product(MICRO_BATCHES, RECOMPUTE, CP_MODES[cp > 1]):
+                                yield Layout(dp=dp, tp=tp, pp=pp, vpp=vpp, ep=ep, cp=cp, cp_mode=cp_mode,
+                                             micro_batch=mb, recompute=recompute, schedule=schedule)
 
     def inference_layout(self, batch: int, new_tokens: int) -> Optional[Estimate]:
         """Generation / evaluation: the fewest model-parallel ranks (tensor parallel first, it needs no
