@@ -43,14 +43,15 @@ def config(run_dir: Path, overrides) -> "DictConfig":
 
 
 def train(run_dir: Path, overrides, rank=0, world_size=1) -> None:
+    """The task as a launched rank runs it (speedllm.launcher.run_task), on this process' group."""
+    from speedllm.launcher import run_task
     from speedllm.parallel.mesh import build_mesh
     from speedllm.runtime import Runtime
-    from speedllm.train.loop import run
 
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = config(run_dir, overrides)
-    mesh = build_mesh(cfg, "cpu") if world_size > 1 else None
-    run(cfg, Runtime(rank=rank, world_size=world_size, local_rank=rank, mesh=mesh))
+    mesh = build_mesh(cfg.parallel, "cpu") if world_size > 1 else None
+    run_task(cfg, Runtime(rank=rank, world_size=world_size, local_rank=rank, mesh=mesh, ep=cfg.parallel.ep))
 
 
 def losses(run_dir: Path) -> list:

@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from speedllm.models.qwen3 import document_bounds, masked_attention, varlen_attention
 
 CP_MODES = ("allgather", "ring", "ulysses", "hybrid")
+RING_QUERY_CHUNK = 512  # queries per recomputed piece of a ring block (bounds backward's score temporaries)
 
 
 def local_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
@@ -42,19 +43,6 @@ def local_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
     first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
     second = torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk)
     return torch.cat([first, second])
-
-
-def ulysses_degree(parallel, num_heads: int, devices_per_node: int) -> int:
-    """Ranks that split the heads (all-to-all): cp for ulysses, parallel.cp_ulysses (or the largest divisor
-    of cp below cp that divides the heads and fits a node) for hybrid, else 1."""
-    if parallel.cp_mode == "ulysses":
-        return parallel.cp
-    if parallel.cp_mode != "hybrid":
-        return 1
-    if parallel.cp_ulysses:
-        return parallel.cp_ulysses
-    return max(d for d in range(1, parallel.cp) if parallel.cp % d == 0 and num_heads % d == 0
-               and d <= devices_per_node)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -171,9 +159,12 @@ def _ring_attention(q_BLHD, k_BLKD, v_BLKD, scale, q_idx, block_idx, docs_BS, gr
     outs, lses = [], []
     for step in range(size):
         k_idx = block_idx[(rank - step) % size]
-        # recomputed in backward: a block's [L, L] scores never outlive it
-        out, lse = checkpoint(_block_attention, q_BLHD, kv[0], kv[1], _allowed(q_idx, k_idx, docs_BS), scale,
-                              use_reentrant=False)
+        # recomputed in backward, RING_QUERY_CHUNK queries at a time: no [L, L] scores outlive a chunk
+        mask = _allowed(q_idx, k_idx, docs_BS)
+        parts = [checkpoint(_block_attention, q_BLHD[:, i:i + RING_QUERY_CHUNK], kv[0], kv[1],
+                            mask[..., i:i + RING_QUERY_CHUNK, :], scale, use_reentrant=False)
+                 for i in range(0, q_BLHD.shape[1], RING_QUERY_CHUNK)]
+        out, lse = torch.cat([o for o, _ in parts], dim=2), torch.cat([lse for _, lse in parts], dim=2)
         outs.append(out)
         lses.append(lse)
         if step < size - 1:
@@ -267,7 +258,7 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, mode: str, ulysses: int) -> 
     forward its inputs, an `attend` function and the MoE statistics' sum; no module is changed.
 
     Args:
-        mode: parallel.cp_mode; ulysses: ranks per all-to-all group (see ulysses_degree).
+        mode: parallel.cp_mode; ulysses: ranks per all-to-all group (speedllm.config.rules.ulysses_degree).
     """
     cp = ContextParallel(cp_mesh, mode, ulysses, model.ops)
     model.register_forward_pre_hook(cp.shard_inputs, with_kwargs=True)
