@@ -60,8 +60,9 @@ class ParallelConfig:
     ep: int = 1  # expert parallel, carved out of dp * cp
     cp: int = 1
     cp_mode: str = "allgather"  # allgather | ring | ulysses | hybrid (speedllm/parallel/context.py)
-    cp_ulysses: int = 0  # hybrid: ranks per ulysses group (0: the largest divisor of cp below cp that divides
-    #                     the attention heads and fits a node)
+    # hybrid: ranks per ulysses group, e.g. the devices of a node (0: the largest divisor of cp below cp that
+    # divides the attention heads per tp rank)
+    cp_ulysses: int = 0
     fsdp: bool = True  # shard params/grads/optimizer over dp (FSDP2); False replicates (DDP-like)
     reshard_after_forward: bool = True  # ZeRO-3-like; False keeps gathered params (ZeRO-2-like)
     sequence_parallel: bool = True  # with tp > 1
