@@ -98,7 +98,7 @@ def generate_ids(
     device = next(model.parameters()).device
     B = len(prompts)
     tokens_BS, mask_BS, positions_BS = left_pad(prompts, pad_id, device)
-    max_new_tokens = min(max_new_tokens, cfg.max_position_embeddings - tokens_BS.shape[1])
+    max_new_tokens = max(0, min(max_new_tokens, cfg.max_position_embeddings - tokens_BS.shape[1]))
     cache = new_cache(cfg, B, tokens_BS.shape[1] + max_new_tokens, dtype, device, tp)
     generator = None
     if not sampling.greedy:
