@@ -71,6 +71,21 @@ def test_predicted_peak_within_15_percent_of_measured_single_process(overrides, 
     assert 0.85 <= memory.total / measured["peak"] <= 1.15, (memory, measured)
 
 
+@pytest.mark.parametrize("optim", [["optim=sgd"], ["optim=sgd", "optim.momentum=0.9"], ["optim=adafactor"]])
+def test_planned_optimizer_bytes_are_the_optimizers_own(optim, tmp_path):
+    """SGD keeps nothing (or one momentum buffer), Adafactor rows + columns per matrix: as torch allocates them."""
+    from speedllm.runtime import Runtime
+
+    cfg = composed("hardware=cpu", "parallel=single", "train.seq_len=32", "train.micro_batch_size=2",
+                   "train.global_batch_size=2", *optim)
+    cfg.run_dir = str(tmp_path)
+    measured = measure_training_step(cfg, Runtime())
+    memory = Planner(problem_from_config(cfg, 1)).estimate(layout_from_config(cfg.parallel, cfg.train)).memory
+    assert (measured["param_bytes"], measured["grad_bytes"], measured["optimizer_bytes"]) == (
+        memory.params, memory.grads, memory.optimizer)
+    assert (memory.optimizer == 0) == (optim == ["optim=sgd"])
+
+
 @pytest.mark.parametrize("name,world,hw_name,degrees,micro,global_batch,recompute", PUBLISHED)
 def test_mindspeed_layouts_fit_and_ours_is_at_least_as_fast(name, world, hw_name, degrees, micro, global_batch,
                                                             recompute):

@@ -193,17 +193,17 @@ def test_elastic_restart_resumes_after_a_rank_is_killed(tmp_path):
     assert max(losses) == steps
 
 
-@pytest.mark.parametrize("optim,target", [("sgd", "torch.optim.SGD"), ("adafactor", "torch.optim.Adafactor")])
-def test_other_optimizers_train_from_the_command_line_and_resume_only_with_themselves(optim, target, tmp_path):
+@pytest.mark.parametrize("optim,target,lr", [("sgd", "torch.optim.SGD", 0.5), ("adafactor", "torch.optim.Adafactor", 0.05)])
+def test_other_optimizers_train_from_the_command_line_and_resume_only_with_themselves(optim, target, lr, tmp_path):
     def launch(*overrides):
         return subprocess.run([sys.executable, str(ROOT / "launch.py"), *TINY, f"hydra.run.dir={tmp_path}",
                                *overrides], capture_output=True, text=True, timeout=300, cwd=tmp_path)
 
-    proc = launch(f"optim={optim}", "train.steps=8", "optim.warmup_steps=0", "optim.schedule=constant")
+    proc = launch(f"optim={optim}", f"optim.lr={lr}", "train.steps=8", "optim.warmup_steps=0", "optim.schedule=constant")
     assert proc.returncode == 0, proc.stderr
     assert OmegaConf.load(tmp_path / "config.yaml").optim._target_ == target
     losses = [r["loss"] for r in metrics(tmp_path)]
-    assert len(losses) == 8 and losses[-1] < losses[0] - 0.1
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.2  # it learns
     proc = launch("optim=adamw", "train.steps=10", "checkpoint.load=auto")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (

@@ -64,7 +64,7 @@ def check_parallel(cfg: DictConfig) -> None:
         raise UserError(errors[0])
 
 
-def check_task(cfg: DictConfig) -> None:
+def check_task(cfg: DictConfig, world_size: int) -> None:
     """The task's `_target_` and the optimizer's must resolve before anything is launched."""
     from hydra.utils import get_method
 
@@ -78,6 +78,9 @@ def check_task(cfg: DictConfig) -> None:
     errors = optimizer_errors(cfg.optim)
     if errors:
         raise UserError(errors[0])
+    if cfg.optim._target_ == "torch.optim.Adafactor" and world_size > 1 and not cfg.task.inference:
+        raise UserError(f"optim=adafactor runs in a single process (torch's Adafactor cannot update sharded "
+                        f"DTensor parameters), not on {world_size} ranks; use optim=adamw or optim=sgd here")
 
 
 def check_batch(cfg: DictConfig) -> None:
@@ -216,7 +219,7 @@ def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
     check_hf_model(cfg)
     check_choices(cfg)
     check_model(cfg)
-    check_task(cfg)
+    check_task(cfg, world_size)
     check_parallel(cfg)
     check_batch(cfg)
     if cfg.task.inference:
