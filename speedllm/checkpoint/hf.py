@@ -36,7 +36,7 @@ INDEX = "model.safetensors.index.json"
 # Fields that change what the weights compute; the others (initializer_range, router_aux_loss_coef,
 # max_position_embeddings) are training choices a run may set differently from the checkpoint.
 ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "num_key_value_heads", "head_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings",
+               "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rms_norm_eps", "tie_word_embeddings",
                "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                "decoder_sparse_step", "mlp_only_layers")
 OTHER_FIELDS = ("max_position_embeddings", "initializer_range", "router_aux_loss_coef")

@@ -18,8 +18,19 @@ def _set(values: Sequence[int]) -> str:
     return "{" + ", ".join(map(str, values)) + "}"
 
 
+def ulysses_degree(cp_mode: str, cp: int, cp_ulysses: int, heads: int) -> int:
+    """Context-parallel ranks that split the attention heads (all-to-all): cp for ulysses; for hybrid
+    parallel.cp_ulysses, or (0) the largest divisor of cp below cp that divides `heads` (per tp rank); else 1."""
+    if cp_mode == "ulysses":
+        return cp
+    if cp_mode != "hybrid":
+        return 1
+    return cp_ulysses or max(d for d in range(1, cp) if cp % d == 0 and heads % d == 0)
+
+
 def layout_errors(model, *, tp: int, pp: int, vpp: int, ep: int, cp: int, dp: int, schedule: str,
-                  pp_layers: Optional[Sequence[int]] = None) -> List[str]:
+                  pp_layers: Optional[Sequence[int]] = None, cp_mode: str = "allgather",
+                  cp_ulysses: int = 0) -> List[str]:
     """What keeps `model` (schema ModelConfig fields) from training under these degrees; dp >= 1."""
     m, name = model, model.name
     errors = [f"parallel.{key}={value} must be >= 1"
@@ -62,9 +73,19 @@ def layout_errors(model, *, tp: int, pp: int, vpp: int, ep: int, cp: int, dp: in
     if m.num_experts > 0 and pp > 1:
         errors.append(f"parallel.pp={pp} with MoE model {name} is not supported (the load-balancing loss spans all "
                       "layers); use parallel.pp=1 and parallel.ep for the experts")
-    if cp > 1 and (pp > 1 or m.num_experts > 0):
-        errors.append(f"parallel.cp={cp} works with dense models without pipeline stages; set parallel.cp=1 "
-                      "or use parallel.pp=1 and a dense model")
+    if cp > 1 and pp > 1:
+        errors.append(f"parallel.cp={cp} with parallel.pp={pp} is not supported (context parallelism hooks the "
+                      "whole model); use parallel.pp=1 with cp, or cp=1 with pp")
+    if cp > 1 and cp_mode == "hybrid" and cp_ulysses and (cp % cp_ulysses or cp_ulysses >= cp):
+        errors.append(f"parallel.cp_ulysses={cp_ulysses} must be a divisor of parallel.cp={cp} below it; use one "
+                      f"of {_set(divisors(cp)[:-1])}, or 0 to pick one")
+    elif cp > 1 and tp >= 1 and m.num_attention_heads % tp == 0:
+        heads = m.num_attention_heads // tp
+        n = ulysses_degree(cp_mode, cp, cp_ulysses, heads)
+        if heads % n:
+            key = "parallel.cp" if cp_mode == "ulysses" else "parallel.cp_ulysses"
+            errors.append(f"parallel.cp_mode={cp_mode}: {key}={n} must divide the attention heads per tp rank "
+                          f"({heads} of model {name}); use {key} in {_set(divisors(heads))} or cp_mode=ring")
     return errors
 
 

@@ -24,6 +24,9 @@ class ModelConfig:
     head_dim: int = 128
     max_position_embeddings: int = 40960
     rope_theta: float = 1_000_000.0
+    # RoPE scaling as transformers' rope_parameters without rope_theta, e.g. {rope_type: yarn, factor: 4.0,
+    # original_max_position_embeddings: 32768}; rope_type: linear | dynamic | yarn. None: plain RoPE.
+    rope_scaling: Any = None  # a dict (typed as Any so conf/model/hf.yaml can interpolate it)
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
@@ -50,6 +53,10 @@ class ParallelConfig:
     vpp: int = 1  # virtual pipeline stages per pp rank (interleaved schedules)
     ep: int = 1  # expert parallel, carved out of dp * cp
     cp: int = 1
+    cp_mode: str = "allgather"  # allgather | ring | ulysses | hybrid (speedllm/parallel/context.py)
+    # hybrid: ranks per ulysses group, e.g. the devices of a node (0: the largest divisor of cp below cp that
+    # divides the attention heads per tp rank)
+    cp_ulysses: int = 0
     fsdp: bool = True  # shard params/grads/optimizer over dp (FSDP2); False replicates (DDP-like)
     reshard_after_forward: bool = True  # ZeRO-3-like; False keeps gathered params (ZeRO-2-like)
     sequence_parallel: bool = True  # with tp > 1

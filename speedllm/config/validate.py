@@ -22,6 +22,7 @@ CHOICES = {
     "hardware.backend": ("gloo", "nccl", "hccl"),
     "hardware.ops": IMPLEMENTATIONS,
     "hardware.dtype": tuple(DTYPES),
+    "parallel.cp_mode": ("allgather", "ring", "ulysses", "hybrid"),
     "parallel.pp_schedule": ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"),
     "train.recompute": ("none", "selective", "full"),
     "optim.schedule": SCHEDULES,
@@ -156,10 +157,18 @@ def check_outputs(cfg: DictConfig) -> None:
     check_no_collision(outputs, inputs)
 
 
+def check_model(cfg: DictConfig) -> None:
+    from speedllm.models.rope import check_rope_scaling
+
+    if cfg.model.rope_scaling:
+        check_rope_scaling(cfg.model.rope_scaling, "model.rope_scaling")
+
+
 def check_parallel(cfg: DictConfig) -> None:
     p = cfg.parallel
     errors = layout_errors(cfg.model, tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, cp=p.cp, dp=p.dp,
-                           schedule=p.pp_schedule, pp_layers=p.pp_layers)
+                           schedule=p.pp_schedule, pp_layers=p.pp_layers, cp_mode=p.cp_mode,
+                           cp_ulysses=p.cp_ulysses)
     if cfg.task.inference:
         errors += inference_layout_errors(cfg.task.name, pp=p.pp, cp=p.cp, ep=p.ep)
     if errors:
@@ -190,9 +199,11 @@ def check_batch(cfg: DictConfig) -> None:
     if t.global_batch_size % (t.micro_batch_size * p.dp):
         raise UserError(f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="
                         f"{t.micro_batch_size} x parallel.dp={p.dp}; use a multiple of {t.micro_batch_size * p.dp}")
-    if t.seq_len > m.max_position_embeddings and not cfg.task.inference:
+    # inference has no training sequence; a plan only sizes the run
+    if t.seq_len > m.max_position_embeddings and not cfg.task.inference and cfg.task.name != "plan":
         raise UserError(f"train.seq_len={t.seq_len} exceeds max_position_embeddings={m.max_position_embeddings} of "
-                        f"model {m.name}; lower train.seq_len")
+                        f"model {m.name}; lower train.seq_len, or extend the model with model.rope_scaling "
+                        "(e.g. yarn) and a larger model.max_position_embeddings")
     if p.cp > 1 and t.seq_len % (2 * p.cp):
         raise UserError(f"train.seq_len={t.seq_len} must be divisible by 2 x parallel.cp = {2 * p.cp} "
                         f"(load-balanced causal chunks); pick a multiple of {2 * p.cp}")
@@ -367,6 +378,7 @@ def validate_values(cfg: DictConfig) -> None:
     check_hf_model(cfg)
     check_choices(cfg)
     check_values(cfg)
+    check_model(cfg)
 
 
 def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:

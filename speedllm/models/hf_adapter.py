@@ -13,6 +13,7 @@ from typing import Dict
 import torch
 
 from speedllm.errors import UserError
+from speedllm.models.rope import rope_scaling_from_hf
 
 _EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -69,7 +70,7 @@ def hf_config_dict(cfg) -> dict:
         head_dim=cfg.head_dim,
         max_position_embeddings=cfg.max_position_embeddings,
         rope_theta=cfg.rope_theta,  # transformers < 5 reads this one, 5.x folds it into rope_parameters
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        rope_parameters={"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta},
         rms_norm_eps=cfg.rms_norm_eps,
         tie_word_embeddings=cfg.tie_word_embeddings,
         initializer_range=cfg.initializer_range,
@@ -103,9 +104,6 @@ def model_config_from_hf(config: dict) -> dict:
     if model_type not in ("qwen3", "qwen3_moe"):
         raise UserError(f"config.json: model_type {model_type!r} is not Qwen3; use a qwen3 or qwen3_moe checkpoint")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        kind = rope.get("rope_type", rope.get("type"))
-        raise UserError(f"config.json: rope type {kind!r} is not supported; only default RoPE (no rope scaling)")
     rope_theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
     out = dict(
         vocab_size=config["vocab_size"],
@@ -117,6 +115,7 @@ def model_config_from_hf(config: dict) -> dict:
         head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
         max_position_embeddings=config.get("max_position_embeddings", 32768),
         rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling_from_hf(config),
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=config.get("tie_word_embeddings", False),
         initializer_range=config.get("initializer_range", 0.02),

@@ -78,13 +78,15 @@ class MoE(nn.Module):
         return out_ND.view_as(x_BSD), (assigned_E, prob_mass_E, num_tokens)
 
 
-def load_balancing_loss(stats, num_experts: int) -> torch.Tensor:
+def load_balancing_loss(stats, num_experts: int, reduce=None) -> torch.Tensor:
     """Switch-Transformer aux loss over all MoE layers, exactly as transformers' load_balancing_loss_func.
 
     transformers averages assignments and probabilities over (layers x tokens) first and multiplies after,
-    so the per-layer statistics are summed before the product.
+    so the per-layer statistics are summed before the product. `reduce` (a tensor -> tensor sum over the
+    ranks sharing the sequences, under context parallelism) makes them the whole sequences' statistics.
     """
-    assigned = sum(s[0] for s in stats)
-    prob_mass = sum(s[1] for s in stats)
-    rows = sum(s[2] for s in stats)
+    totals = [sum(s[i] for s in stats) for i in range(3)]
+    if reduce is not None:
+        totals = [reduce(t) for t in totals]
+    assigned, prob_mass, rows = totals
     return torch.sum((assigned / rows) * (prob_mass / rows)) * num_experts

@@ -15,6 +15,7 @@ from torch import nn
 
 from speedllm.models.kv_cache import SlotCache
 from speedllm.models.moe import MoE, load_balancing_loss
+from speedllm.models.rope import inverse_frequencies
 from speedllm.ops import Ops, get_ops
 from speedllm.ops.loss import chunked_cross_entropy
 
@@ -48,16 +49,49 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
 
-    def forward(self, x_BSD, cos_BSD, sin_BSD, mask, kv_cache=None):
+    def forward(self, x_BSD, cos_BSD, sin_BSD, mask, kv_cache=None, attend=None):
         B, S, _ = x_BSD.shape
         q = self.ops.rotary(self.q_norm(self.q_proj(x_BSD).view(B, S, -1, self.head_dim)), cos_BSD, sin_BSD)
         k = self.ops.rotary(self.k_norm(self.k_proj(x_BSD).view(B, S, -1, self.head_dim)), cos_BSD, sin_BSD)
         v = self.v_proj(x_BSD).view(B, S, -1, self.head_dim)
+        if attend is not None:  # packed documents or context parallel: the forward's own attention
+            return self.o_proj(attend(q, k, v, self.scale).reshape(B, S, -1))
         q_BHSD, k_BKTD, v_BKTD = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if kv_cache is not None:
             k_BKTD, v_BKTD = kv_cache.update(self.layer_id, k_BKTD, v_BKTD)
         out_BHSD = self.ops.attention(q_BHSD, k_BKTD, v_BKTD, mask, self.scale)
         return self.o_proj(out_BHSD.transpose(1, 2).reshape(B, S, -1))
+
+
+def masked_attention(attention, mask):
+    """`attend` (q_BSHD, k_BSKD, v_BSKD, scale) -> o_BSHD through an op set's attention with a fixed mask."""
+
+    def attend(q_BSHD, k_BSKD, v_BSKD, scale):
+        out = attention(q_BSHD.transpose(1, 2), k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2), mask, scale)
+        return out.transpose(1, 2)
+
+    return attend
+
+
+def document_bounds(document_ids_BS: torch.Tensor):
+    """(cu_seqlens int32 [docs + 1], max_seqlen) of the documents of packed rows, rows back to back."""
+    B, S = document_ids_BS.shape
+    starts_BS = torch.ones_like(document_ids_BS, dtype=torch.bool)
+    starts_BS[:, 1:] = document_ids_BS[:, 1:] != document_ids_BS[:, :-1]
+    starts = starts_BS.reshape(-1).nonzero().squeeze(1)
+    cu_seqlens = torch.cat([starts, starts.new_tensor([B * S])]).to(torch.int32)
+    return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+
+def varlen_attention(varlen, cu_seqlens, max_seqlen):
+    """`attend` over packed documents through an op set's varlen attention (no [S, S] mask)."""
+
+    def attend(q_BSHD, k_BSKD, v_BSKD, scale):
+        B, S = q_BSHD.shape[:2]
+        flat = [x.reshape(B * S, *x.shape[2:]) for x in (q_BSHD, k_BSKD, v_BSKD)]
+        return varlen(*flat, cu_seqlens, max_seqlen, scale).view(q_BSHD.shape)
+
+    return attend
 
 
 class MLP(nn.Module):
@@ -90,9 +124,10 @@ class DecoderLayer(nn.Module):
         self.is_moe = is_moe_layer(cfg, layer_id)
         self.mlp = MoE(cfg, ops) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size, ops)
 
-    def forward(self, x_BSD, cos_BSD, sin_BSD, mask, kv_cache=None, token_mask=None):
+    def forward(self, x_BSD, cos_BSD, sin_BSD, mask, kv_cache=None, token_mask=None, attend=None):
         """Returns the new hidden states and the MoE load-balancing statistics (None for a dense layer)."""
-        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), cos_BSD, sin_BSD, mask, kv_cache)
+        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), cos_BSD, sin_BSD, mask, kv_cache,
+                                       attend=attend)
         h = self.post_attention_layernorm(x_BSD)
         if self.is_moe:
             out, stats = self.mlp(h, token_mask)
@@ -126,9 +161,7 @@ class Qwen3(nn.Module):
         self.tie_embeddings()
         # RoPE frequencies are a function of the config, not state: computed here on the CPU (as transformers
         # does) and kept out of the state dict and out of meta-device construction; cos/sin are made per forward.
-        self.inv_freq = 1.0 / (
-            cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device="cpu") / cfg.head_dim)
-        )
+        self.inv_freq, self.rope_scale = inverse_frequencies(cfg)
 
     def tie_embeddings(self) -> None:
         """Make lm_head use embed_tokens' weight when the config ties them and this model (or pipeline stage)
@@ -157,9 +190,15 @@ class Qwen3(nn.Module):
 
     def rope(self, position_ids_BS: torch.Tensor, dtype: torch.dtype):
         """cos/sin tables [B, S, Dh] for the given positions, computed exactly as transformers does."""
-        freqs = position_ids_BS[..., None].float() * self.inv_freq.to(position_ids_BS.device)
+        inv_freq, scale = self.inv_freq, self.rope_scale
+        scaling = self.cfg.rope_scaling
+        if scaling and scaling["rope_type"] == "dynamic":
+            seq_len = int(position_ids_BS.max()) + 1
+            if seq_len > self.cfg.max_position_embeddings:
+                inv_freq, scale = inverse_frequencies(self.cfg, seq_len)
+        freqs = position_ids_BS[..., None].float() * inv_freq.to(position_ids_BS.device)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
     def attention_mask(self, B, S, start, document_ids, attention_mask, kv_cache, device):
         """None for plain causal attention, else a bool [B, 1, S, T] mask (True = may attend).
@@ -188,7 +227,8 @@ class Qwen3(nn.Module):
             mask = (mask & key_mask[:, None, None, :]) | (k_pos == q_pos)
         return mask.expand(B, 1, S, T)
 
-    def forward(self, tokens, labels=None, position_ids=None, document_ids=None, attention_mask=None, kv_cache=None):
+    def forward(self, tokens, labels=None, position_ids=None, document_ids=None, attention_mask=None, kv_cache=None,
+                attend=None, reduce_moe_stats=None):
         """Logits [B, S, V]; or with labels (already shifted, IGNORE_INDEX = no loss) the pair (ce_sum, aux_loss).
 
         Args:
@@ -201,23 +241,32 @@ class Qwen3(nn.Module):
             attention_mask: [B, S] (or [B, T]) 1 = token, 0 = left padding.
             kv_cache: a KVCache; this step's keys/values are written at its position, which then advances.
                 Or a SlotCache (continuous batching), which also gives the positions and the mask.
+            attend: (q_BSHD, k_BSKD, v_BSKD, scale) -> o_BSHD replacing every layer's attention (context
+                parallelism passes its own; `masked_attention` gives the op set's masked attention). Default:
+                the op set's varlen attention for packed documents, else its causal / masked attention.
+            reduce_moe_stats: sums MoE routing statistics over the ranks sharing these sequences (context
+                parallelism), so the load-balancing loss is the whole sequences'.
         Returns hidden states instead of logits when `lm_head` is None.
         """
         h_BSD = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens
         B, S = h_BSD.shape[:2]
+        mask = None
         if isinstance(kv_cache, SlotCache):  # continuous batching: each row continues at its own length
             position_ids, mask = kv_cache.positions(), kv_cache.attention_mask()
         else:
             start = kv_cache.pos if kv_cache is not None else 0
             if position_ids is None:
                 position_ids = torch.arange(start, start + S, device=h_BSD.device).expand(B, S)
-            mask = self.attention_mask(B, S, start, document_ids, attention_mask, kv_cache, h_BSD.device)
+            if attend is None and document_ids is not None and kv_cache is None and attention_mask is None:
+                attend = varlen_attention(self.ops.varlen_attention, *document_bounds(document_ids))
+            elif attend is None:
+                mask = self.attention_mask(B, S, start, document_ids, attention_mask, kv_cache, h_BSD.device)
         cos_BSD, sin_BSD = self.rope(position_ids, h_BSD.dtype)
         token_mask = attention_mask[:, -S:] if attention_mask is not None else None
 
         moe_stats = []
         for layer in self.layers.values():
-            h_BSD, stats = layer(h_BSD, cos_BSD, sin_BSD, mask, kv_cache, token_mask)
+            h_BSD, stats = layer(h_BSD, cos_BSD, sin_BSD, mask, kv_cache, token_mask, attend)
             if stats is not None:
                 moe_stats.append(stats)
         if kv_cache is not None:
@@ -235,7 +284,8 @@ class Qwen3(nn.Module):
         )
         aux_loss = torch.zeros((), dtype=torch.float32, device=h_BSD.device)
         if moe_stats:
-            aux_loss = load_balancing_loss(moe_stats, self.cfg.num_experts) * self.cfg.router_aux_loss_coef
+            aux_loss = load_balancing_loss(moe_stats, self.cfg.num_experts, reduce_moe_stats) * \
+                self.cfg.router_aux_loss_coef
         return ce_sum, aux_loss
 
 

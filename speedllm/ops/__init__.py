@@ -9,6 +9,10 @@ N rows, D features, O output features, E experts, V vocabulary):
   rotary(x_BSHD, cos_BSD, sin_BSD) -> x_BSHD                RoPE, rotate-half convention (as transformers)
   attention(q_BHSD, k_BKTD, v_BKTD, mask, scale) -> o_BHSD  GQA; mask None = causal with S == T, otherwise a
                                                            bool [B, 1, S, T] tensor, True = may attend
+  varlen_attention(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale) -> o_THD
+                                                           causal GQA within each of the documents packed
+                                                           back to back along T; cu_seqlens int32 [docs + 1]
+                                                           (0, end of doc 0, ..., T), max_seqlen the longest
   swiglu(gate, up) -> silu(gate) * up
   grouped_mm(x_ND, w_EOD, counts_E) -> y_NO                 rows of x grouped by expert in order; group e uses w[e]
   cross_entropy(logits_NV, labels_N) -> fp32 scalar         SUM over labels != IGNORE_INDEX
@@ -31,6 +35,7 @@ class Ops:
     rms_norm: Callable
     rotary: Callable
     attention: Callable
+    varlen_attention: Callable
     swiglu: Callable
     grouped_mm: Callable
     cross_entropy: Callable
@@ -49,6 +54,7 @@ def get_ops(name: str) -> Ops:
             rms_norm=module.rms_norm,
             rotary=module.rotary,
             attention=module.attention,
+            varlen_attention=module.varlen_attention,
             swiglu=module.swiglu,
             grouped_mm=module.grouped_mm,
             cross_entropy=module.cross_entropy,

@@ -11,7 +11,9 @@ from speedllm.ops import IGNORE_INDEX
 
 from speedllm.ops.reference import rotary, swiglu  # torch has no fused kernel for these; the eager form is it
 
-__all__ = ["rms_norm", "rotary", "attention", "swiglu", "grouped_mm", "cross_entropy"]
+from speedllm.ops import reference
+
+__all__ = ["rms_norm", "rotary", "attention", "varlen_attention", "swiglu", "grouped_mm", "cross_entropy"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,6 +26,16 @@ def attention(q, k, v, mask, scale):
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def varlen_attention(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
+    """torch's flash-attention varlen kernel on CUDA (one launch for all documents); elsewhere the reference."""
+    if not q_THD.is_cuda:
+        return reference.varlen_attention(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale)
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn(q_THD, k_TKD, v_TKD, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale,
+                       window_size=(-1, 0), enable_gqa=True)
 
 
 def grouped_mm(x_ND: torch.Tensor, w_EOD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ except ImportError as err:
 
 from speedllm.ops.reference import cross_entropy  # the fp32 loss is plain torch on every device
 
-__all__ = ["rms_norm", "rotary", "attention", "swiglu", "grouped_mm", "cross_entropy"]
+__all__ = ["rms_norm", "rotary", "attention", "varlen_attention", "swiglu", "grouped_mm", "cross_entropy"]
 
 # npu_fusion_attention's causal modes take a compressed 2048 x 2048 upper-triangular mask (True = masked).
 _CAUSAL_MASK = {}
@@ -31,16 +31,30 @@ def rotary(x_BSHD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor) -
     return torch_npu.npu_rotary_mul(x_BSHD, cos_BSD.unsqueeze(2), sin_BSD.unsqueeze(2))
 
 
+def _causal_mask(device):
+    if device not in _CAUSAL_MASK:
+        _CAUSAL_MASK[device] = torch.ones(2048, 2048, dtype=torch.bool, device=device).triu(1)
+    return _CAUSAL_MASK[device]
+
+
 def attention(q, k, v, mask, scale):
     """npu_fusion_attention in BNSD layout; GQA is native (fewer kv heads than query heads)."""
     if mask is None:
-        if q.device not in _CAUSAL_MASK:
-            _CAUSAL_MASK[q.device] = torch.ones(2048, 2048, dtype=torch.bool, device=q.device).triu(1)
-        atten_mask, sparse_mode = _CAUSAL_MASK[q.device], 2  # 2: left-up causal, S == T
+        atten_mask, sparse_mode = _causal_mask(q.device), 2  # 2: left-up causal, S == T
     else:
         atten_mask, sparse_mode = ~mask, 0  # 0: the full mask as given
     return torch_npu.npu_fusion_attention(
         q, k, v, q.shape[1], "BNSD", atten_mask=atten_mask, scale=scale, sparse_mode=sparse_mode
+    )[0]
+
+
+def varlen_attention(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
+    """npu_fusion_attention in TND layout: documents end at actual_seq_qlen/kvlen (cumulative, host ints);
+    sparse_mode 3 is causal within each document (as MindSpeed-LLM's packed SFT)."""
+    ends = cu_seqlens[1:].tolist()
+    return torch_npu.npu_fusion_attention(
+        q_THD, k_TKD, v_TKD, q_THD.shape[1], "TND", atten_mask=_causal_mask(q_THD.device), scale=scale,
+        sparse_mode=3, actual_seq_qlen=ends, actual_seq_kvlen=ends,
     )[0]
 
 

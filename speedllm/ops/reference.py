@@ -37,6 +37,21 @@ def attention(q, k, v, mask, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
+def varlen_attention(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
+    """Causal attention within each document, as one SDPA call over the documents padded to max_seqlen.
+
+    A document's padding sits after its last token, so causality alone hides it from the real queries; the
+    padding's own outputs are dropped (and get no gradient). Cost: docs x max_seqlen^2 instead of T^2.
+    """
+    starts, lengths = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    offsets = torch.arange(max_seqlen, device=q_THD.device)
+    valid = offsets[None, :] < lengths[:, None]
+    index = torch.where(valid, starts[:, None] + offsets[None, :], 0)  # [docs, max_seqlen] token index
+    q, k, v = (x[index].transpose(1, 2) for x in (q_THD, k_TKD, v_TKD))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)[valid]
+
+
 def attention_math(q, k, v, mask, scale):
     """softmax(q k^T * scale + mask) v with kv heads repeated for GQA, softmax in fp32."""
     groups = q.shape[1] // k.shape[1]

@@ -109,9 +109,12 @@ def _parallelize_part(part: nn.Module, dims: ParallelDims, parallel, train, para
         ep_mesh, expert_mesh = dims.expert_meshes()
         apply_ep(part, ep_mesh)
     if dims.cp > 1:
+        from speedllm.config.rules import ulysses_degree
         from speedllm.parallel.context import apply_cp
 
-        apply_cp(part, dims.mesh["cp"])
+        heads = part.cfg.num_attention_heads // dims.tp
+        apply_cp(part, dims.mesh["cp"], parallel.cp_mode,
+                 ulysses_degree(parallel.cp_mode, dims.cp, parallel.cp_ulysses, heads))
     if quant is not None and quant.name in ("float8", "qat_int4"):
         from speedllm.quant import prepare_for_training
 

@@ -51,7 +51,7 @@ def layer_plan(sequence_parallel: bool) -> dict:
     """Plan for one dense decoder layer (attention, SwiGLU MLP, norms)."""
     stream = Shard(1) if sequence_parallel else Replicate()
     plan = {
-        # Attention.forward(x, cos, sin, mask, kv_cache): only x is a distributed activation.
+        # Attention.forward(x, cos, sin, mask, kv_cache, attend=None): only x is a distributed activation.
         "self_attn": PrepareModuleInput(input_layouts=(stream, None, None, None, None),
                                         desired_input_layouts=(Replicate(), None, None, None, None)),
         "self_attn.q_proj": ColwiseParallel(),

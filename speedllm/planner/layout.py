@@ -14,6 +14,7 @@ class Layout:
     vpp: int = 1
     ep: int = 1
     cp: int = 1
+    cp_mode: str = "allgather"  # allgather | ring | ulysses | hybrid
     micro_batch: int = 1
     recompute: str = "none"  # none | selective | full
     fsdp: bool = True
@@ -34,7 +35,7 @@ class Layout:
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         if self.cp > 1:
-            parts.append(f"cp{self.cp}")
+            parts.append(f"cp{self.cp}-{self.cp_mode}")
         parts += [f"mb{self.micro_batch}", self.recompute]
         if not self.fsdp and self.dp > 1:
             parts.append("ddp")
@@ -44,8 +45,8 @@ class Layout:
 def layout_from_config(parallel, train) -> Layout:
     """The Layout a resolved config describes (parallel.dp must already be >= 1)."""
     return Layout(dp=parallel.dp, tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp, ep=parallel.ep, cp=parallel.cp,
-                  micro_batch=train.micro_batch_size, recompute=train.recompute, fsdp=parallel.fsdp,
-                  reshard_after_forward=parallel.reshard_after_forward,
+                  cp_mode=parallel.cp_mode, micro_batch=train.micro_batch_size, recompute=train.recompute,
+                  fsdp=parallel.fsdp,                  reshard_after_forward=parallel.reshard_after_forward,
                   sequence_parallel=parallel.sequence_parallel, schedule=parallel.pp_schedule)
 
 

@@ -24,6 +24,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from speedllm.config.rules import ulysses_degree
 from speedllm.hardware import DTYPES
 from speedllm.parallel.pipeline import stages_of_rank
 from speedllm.planner.layout import Layout
@@ -302,13 +303,50 @@ def layer_activation_bytes(m, layout: Layout, seq_len: int, dtype_bytes: int, mo
     norms = 2 * norm_b * h / sp + 2 * e * h
     # q and k: the projection and normed heads (kept by their RMSNorm), RoPE's input, the rotated heads (kept
     # by attention); v; attention's output and the contiguous copy fed to o_proj
-    attn = (norm_b + rope_b + e) * (q + kv) + e * kv + 2 * e * q + lse
+    attn = (norm_b + rope_b) * (q + kv) + e * q + attention_keys_bytes(m, layout, e) + 2 * e * q + lse
     if moe:
         router = 4 * m.num_experts  # fp32 router probabilities
         mlp = router + 2 * e * k_top * h + swiglu_b * k_top * i_moe  # rows sorted by expert, expert outputs
     else:
         mlp = swiglu_b * i_mlp
     return n * (norms + attn + mlp)
+
+
+def attention_keys_bytes(m, layout: Layout, e: int) -> float:
+    """Bytes per local token that attention keeps of keys and values (and, for ring attention, of each K/V
+    block's partial result), by parallel.cp_mode (speedllm/parallel/context.py).
+
+    allgather keeps the gathered K/V of the whole sequence; ulysses the K/V of all positions for its share
+    of the heads (kv heads repeated up to a multiple of cp); ring keeps every block it received and per block
+    the fp32 partial output, log-sum-exp and merge weight (the block's scores are recomputed in backward).
+    """
+    cp, tp = layout.cp, layout.tp
+    kv = m.num_key_value_heads * m.head_dim / tp
+    if cp == 1:
+        return 2 * e * kv
+    heads = m.num_attention_heads // tp
+    n = ulysses_degree(layout.cp_mode, cp, 0, heads)
+    kv_heads = m.num_key_value_heads // tp
+    kv *= n // math.gcd(kv_heads, n)  # repeated so the all-to-all splits them
+    if layout.cp_mode == "allgather":
+        return 2 * e * kv * cp
+    if layout.cp_mode == "ulysses":
+        return 2 * e * kv
+    ring = cp // n
+    return ring * (2 * e * kv + 4 * (m.num_attention_heads * m.head_dim / tp + 2 * heads))
+
+
+def ring_backward_bytes(m, layout: Layout, seq_len: int) -> float:
+    """Backward's temporaries of one recomputed ring-attention chunk: fp32 scores, their masked copy,
+    probabilities and the gradients of the two (about five [queries x block keys] fp32 matrices per head)."""
+    from speedllm.parallel.context import RING_QUERY_CHUNK
+
+    if layout.cp == 1 or layout.cp_mode not in ("ring", "hybrid"):
+        return 0.0
+    n = ulysses_degree(layout.cp_mode, layout.cp, 0, m.num_attention_heads // layout.tp)
+    block = layout.micro_batch * seq_len / (layout.cp // n)  # keys of one ring block (all its heads' share)
+    heads = m.num_attention_heads / layout.tp / n
+    return 5 * 4 * heads * min(RING_QUERY_CHUNK, block) * block
 
 
 def in_flight(layout: Layout, pp_rank: int, num_micro: int) -> int:
@@ -397,6 +435,8 @@ def rank_memory(m, layout: Layout, sp: StageParams, pp_rank: int, seq_len: int,
             # there the chunk's fp32 logits buffer is kept from step to step (ops.loss), so it is also alive in
             # backward, beside the vocabulary-sized gradient temporaries that `transient` stands for then
             mem.kept = min(loss_chunk, layout.micro_batch * seq_len / layout.cp) * vocab * 4
+    # ring attention rebuilds one chunk of a block's scores at a time in backward (speedllm.parallel.context)
+    transient = max(transient, ring_backward_bytes(m, layout, seq_len))
     mem.activations = flight * per_stage_act + head + max(working, transient)
     # a pipeline rank's gradients appear with its first backward, which frees one micro-batch's activations
     flight_with_grads = max(flight - 1, 1) if layout.pp > 1 else flight

@@ -11,6 +11,7 @@ Interleaved1F1B and MindSpeed do).
 from collections import Counter
 from functools import partial
 from dataclasses import dataclass, field
+from itertools import product
 from typing import Dict, List, Optional
 
 from omegaconf import OmegaConf
@@ -26,6 +27,7 @@ from speedllm.train.optimizer import state_numel
 
 MICRO_BATCHES = (1, 2, 4, 8)
 RECOMPUTE = ("none", "selective", "full")
+CP_MODES = {False: ("allgather",), True: ("ring", "ulysses")}  # by cp > 1; ring needs no head split
 VIRTUAL_STAGES = (1, 2, 4, 8)
 
 
@@ -128,7 +130,8 @@ class Planner:
         validation applies (speedllm.config.rules), then what makes a training step impossible on paper."""
         m, p, hw = self.p.model, self.p, self.p.hardware
         errors = layout_errors(m, tp=layout.tp, pp=layout.pp, vpp=layout.vpp, ep=layout.ep, cp=layout.cp,
-                               dp=layout.dp, schedule=layout.schedule, pp_layers=self.split(layout))
+                               dp=layout.dp, schedule=layout.schedule, pp_layers=self.split(layout),
+                               cp_mode=layout.cp_mode)
         if errors:
             return errors[0]
         if layout.tp > hw.devices_per_node:
@@ -148,7 +151,7 @@ class Planner:
         """Every combination of degrees whose product is the device count."""
         m, world = self.p.model, self.p.world
         experts = divisors(m.num_experts) if m.num_experts else [1]
-        cps = [c for c in divisors(world) if c <= 8 and (c == 1 or self.p.seq_len >= 8192)]
+        cps = [c for c in divisors(world) if c <= 64 and (c == 1 or self.p.seq_len >= 8192)]
         for tp in divisors(world):
             for cp in [c for c in cps if (world // tp) % c == 0]:
                 for pp in divisors(world // (tp * cp)):
@@ -156,10 +159,9 @@ class Planner:
                     for vpp in VIRTUAL_STAGES if pp > 1 else (1,):
                         schedule = "Interleaved1F1B" if vpp > 1 else "1F1B"
                         for ep in [x for x in experts if x <= dp * cp]:
-                            for mb in MICRO_BATCHES:
-                                for recompute in RECOMPUTE:
-                                    yield Layout(dp=dp, tp=tp, pp=pp, vpp=vpp, ep=ep, cp=cp, micro_batch=mb,
-                                                 recompute=recompute, schedule=schedule)
+                            for mb, recompute, cp_mode in product(MICRO_BATCHES, RECOMPUTE, CP_MODES[cp > 1]):
+                                yield Layout(dp=dp, tp=tp, pp=pp, vpp=vpp, ep=ep, cp=cp, cp_mode=cp_mode,
+                                             micro_batch=mb, recompute=recompute, schedule=schedule)
 
     def inference_layout(self, batch: int, new_tokens: int) -> Optional[Estimate]:
         """Generation / evaluation: the fewest model-parallel ranks (tensor parallel first, it needs no
