@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from speedllm.errors import UserError
+from speedllm.finetune.lora import is_adapter
 from speedllm.models.hf_adapter import hf_config, model_config_from_hf, to_hf_state_dict
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -207,6 +208,8 @@ def load_hf_weights(model, path: str) -> None:
         for module in modules:
             state = get_model_state_dict(module)
             for name, target in state.items():
+                if is_adapter(name):  # LoRA adapters are not part of the base model
+                    continue
                 index = _local_slices(target)
                 local = target.to_local() if isinstance(target, DTensor) else target
                 sources = _sources(name, target.shape, model_cfg)

@@ -68,6 +68,11 @@ def _parallelize_part(part: nn.Module, cfg: DictConfig, rt) -> None:
         from speedllm.parallel.context import apply_cp
 
         apply_cp(part, rt.mesh["cp"])
+    if cfg.finetune.name != "full":
+        from speedllm.finetune.lora import apply_lora
+
+        ft = cfg.finetune
+        apply_lora(part, ft.rank, ft.alpha, ft.dropout, ft.targets)
     if cfg.train.recompute != "none":
         apply_recompute(part, cfg.train.recompute)
     if cfg.train.compile:

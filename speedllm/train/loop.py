@@ -27,7 +27,7 @@ from speedllm.checkpoint.dcp import load_checkpoint, resolve_load, save_checkpoi
 from speedllm.checkpoint.hf import load_hf_weights
 from speedllm.errors import UserError
 from speedllm.hardware import DTYPES
-from speedllm.parallel import clip_grad_norm
+from speedllm.parallel import clip_grad_norm, model_parts
 from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.faults import BadSteps, Preemption
 from speedllm.train.metrics import MetricsLogger, flops_per_token, mfu, peak_memory_gb
@@ -65,6 +65,10 @@ def build_model(cfg: DictConfig, rt: Runtime) -> nn.Module:
     model.loss_chunk_size = cfg.train.loss_chunk_size
     model = parallelize(model, cfg, rt)
     materialize(model, cfg, rt)
+    if cfg.finetune.name != "full":  # LoRA adapters: the same start on every layout, B = 0
+        from speedllm.finetune.lora import init_adapters
+
+        init_adapters(model_parts(model), cfg.seed)
     return model
 
 
@@ -203,6 +207,10 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
 
     step = 0
     resume_from = resolve_load(load_request(cfg), ck.dir)
+    if cfg.finetune.name != "full":  # the frozen base under the adapters; the adapters resume below
+        from speedllm.finetune.base import load_base
+
+        resume_from = load_base(model_parts(model), cfg, resume_from)
     if resume_from is not None:
         extra = load_checkpoint(resume_from, model, optimizer)
         step = extra["step"]
@@ -211,9 +219,7 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
         set_rng_state(extra["rng"], rt.device)
         if rt.is_main:
             print(f"resumed from {resume_from} at step {step}")
-    elif ck.load_hf is not None:  # fine-tune from Hugging Face weights (a resume takes precedence)
-        from speedllm.parallel import model_parts
-
+    elif ck.load_hf is not None and cfg.finetune.name == "full":  # fine-tune from HF weights (a resume first)
         load_hf_weights(model_parts(model), ck.load_hf)
 
     def checkpoint() -> None:

@@ -1,0 +1,102 @@
+"""The frozen base of an adapter run: where it comes from, loading it, and holding it in 4-bit (QLoRA).
+
+The base is an HF directory (checkpoint.load_hf) or a DCP checkpoint without adapters (checkpoint.load naming
+a full-weights checkpoint, e.g. one task=convert convert.to=dcp wrote). An adapter run's own checkpoints hold
+only the adapters (and their optimizer state); resuming one finds its base through the frozen config.yaml
+saved with it, following earlier resumes back to the run that named the base.
+"""
+
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from speedllm.checkpoint.dcp import _quiet_dcp, resolve_load
+from speedllm.errors import UserError
+from speedllm.finetune.lora import is_adapter, target_linears
+
+
+def uses_adapters(cfg: DictConfig) -> bool:
+    return cfg.finetune.name != "full"
+
+
+def holds_adapters(ckpt: Path) -> bool:
+    """True when a DCP checkpoint's model is LoRA adapters only (an adapter run's checkpoint)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    return any(key.startswith("model.") and is_adapter(key) for key in keys)
+
+
+def base_source(ckpt: Path) -> Tuple[str, str]:
+    """("hf", dir) or ("dcp", checkpoint) of the base an adapter checkpoint was trained on."""
+    seen = set()
+    while ckpt not in seen:
+        seen.add(ckpt)
+        saved = OmegaConf.load(ckpt / "config.yaml")
+        load_hf, load = OmegaConf.select(saved, "checkpoint.load_hf"), OmegaConf.select(saved, "checkpoint.load")
+        if load_hf is not None:
+            return "hf", load_hf
+        if load is None or load == "auto":
+            break
+        previous = resolve_load(load, saved.checkpoint.dir)
+        if not holds_adapters(previous):
+            return "dcp", str(previous)
+        ckpt = previous
+    raise UserError(f"checkpoint.load={ckpt}: its config.yaml names no base model (checkpoint.load_hf); set "
+                    "checkpoint.load_hf=<HF dir> to the base the adapters were trained on")
+
+
+@torch.no_grad()
+def load_dcp_base(modules: List[nn.Module], ckpt: Path) -> None:
+    """The base weights (every non-adapter tensor) of a DCP checkpoint into this rank's model parts."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    for module in modules:
+        state = {k: v for k, v in get_model_state_dict(module).items() if not is_adapter(k)}
+        with _quiet_dcp():
+            dcp.load({"model": state}, checkpoint_id=str(ckpt), no_dist=not dist.is_initialized())
+        set_model_state_dict(module, state, options=StateDictOptions(strict=False))
+
+
+def quantize_base(modules: List[nn.Module], targets) -> None:
+    """QLoRA: the adapted projections' frozen weights become NF4 (torchao), 4 bits per weight + block scales."""
+    from torchao.quantization import to_nf4
+
+    for module in modules:
+        for linear in target_linears(module, targets).values():
+            if not isinstance(linear.weight, torch.Tensor) or type(linear.weight).__name__ == "NF4Tensor":
+                continue
+            linear.weight = nn.Parameter(to_nf4(linear.weight.detach()), requires_grad=False)
+
+
+def load_base(modules: List[nn.Module], cfg: DictConfig, resume_from: Optional[Path]) -> Optional[Path]:
+    """Fill the frozen base of an adapter model, start the adapters from finetune.adapter when given, and
+    quantize the base for QLoRA. Returns the adapter checkpoint to resume from (None: a fresh start)."""
+    from speedllm.checkpoint.hf import load_hf_weights
+
+    ck, ft = cfg.checkpoint, cfg.finetune
+    base = None
+    if resume_from is not None and not holds_adapters(resume_from):
+        base, resume_from = ("dcp", str(resume_from)), None  # checkpoint.load named full weights: the base
+    if ck.load_hf is not None:
+        base = ("hf", ck.load_hf)
+    elif base is None and resume_from is not None:
+        base = base_source(resume_from)
+    if base is not None:
+        kind, path = base
+        if kind == "hf":
+            load_hf_weights(modules, path)
+        else:
+            load_dcp_base(modules, Path(path))
+    if resume_from is None and ft.adapter is not None:
+        from speedllm.finetune.peft import load_peft_adapter
+
+        load_peft_adapter(modules, ft.adapter, ft)
+    if ft.name == "qlora":
+        quantize_base(modules, ft.targets)
+    return resume_from
