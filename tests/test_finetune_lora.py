@@ -171,8 +171,11 @@ def test_peft_made_adapter_loads_with_peft_logits_and_mismatches_are_one_line_er
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
-    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], init_lora_weights=False))
+    # on MoE, peft maps gate/up/down_proj to the fused expert weights (target_parameters): attention only there
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"] + ([] if "moe" in str(hf_dir) else ["gate_proj", "up_proj",
+                                                                                           "down_proj"])
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                 init_lora_weights=False))
     peft_model.save_pretrained(tmp_path / "adapter")
     tokens = torch.randint(0, 8192, (1, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -74,9 +74,15 @@ def read_peft_config(path: str, ft) -> dict:
         raise UserError(f"finetune.adapter={path}: adapter lora_alpha={config.get('lora_alpha')} but finetune.alpha="
                         f"{ft.alpha}; set finetune.alpha={config.get('lora_alpha')}")
     targets = config.get("target_modules")
-    if not isinstance(targets, list) or set(targets) != set(ft.targets):
+    # PEFT saves the names that matched (a MoE model's attention only), ours may list more; loading then
+    # checks that every module we adapt has its tensors
+    if not isinstance(targets, list) or not set(targets) <= set(ft.targets):
         raise UserError(f"finetune.adapter={path}: adapter target_modules={targets} but finetune.targets="
                         f"{list(ft.targets)}; set finetune.targets=[{','.join(targets or [])}]")
+    if config.get("target_parameters"):
+        raise UserError(f"finetune.adapter={path}: adapter has LoRA on MoE expert weights (target_parameters="
+                        f"{config['target_parameters']}), which finetune=lora does not hold; use an adapter on "
+                        "attention / dense MLP projections (PEFT: target_modules only)")
     for key in ("use_dora", "use_rslora"):
         if config.get(key):
             raise UserError(f"finetune.adapter={path}: {key}=true adapters are not supported; use a plain LoRA one")
