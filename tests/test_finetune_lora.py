@@ -25,7 +25,7 @@ from speedllm.finetune.base import load_base
 from speedllm.finetune.lora import apply_lora, is_adapter
 from speedllm.models.qwen3 import Qwen3
 from speedllm.parallel import model_parts
-from speedllm.runtime import Runtime
+from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.loop import build_model, run, train_step
 from speedllm.train.optimizer import build_optimizer
 from speedllm.train.schedule import build_scheduler
@@ -91,6 +91,16 @@ def test_first_step_equals_full_finetuning_and_base_stays_bit_identical(hf_dir, 
     assert trained and all(is_adapter(k) for k in trained)
     assert {k for k in after if is_adapter(k) and ".lora_B." in k} <= trained
     assert all(p.requires_grad == is_adapter(n) for n, p in model.named_parameters())
+
+
+def test_random_base_is_the_one_full_finetuning_starts_from(tmp_path):
+    tiny = [o for o in TINY if o.startswith("model")]
+    seed_everything(0)
+    full = build_model(config(tmp_path, *tiny), Runtime()).state_dict()
+    seed_everything(0)
+    lora = build_model(config(tmp_path, *tiny, *LORA), Runtime()).state_dict()
+    assert {k for k in lora if not is_adapter(k)} == full.keys()
+    assert all(torch.equal(full[k], lora[k]) for k in full)
 
 
 @pytest.fixture(scope="module")

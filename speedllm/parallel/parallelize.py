@@ -135,7 +135,9 @@ def materialize(model: nn.Module, cfg: DictConfig, rt) -> None:
             shard_embedding_grad(part)
     if getattr(model, "pipeline", None) is not None:
         model.pipeline.retie()
-    if rt.world_size == 1 and rt.device.type == "cpu":
+    # (init_weights on a model holding LoRA adapters would draw their values between the base's: not the base a
+    # model without them gets)
+    if rt.world_size == 1 and rt.device.type == "cpu" and cfg.finetune.name == "full":
         with torch.no_grad():
             model.init_weights()
     else:  # initialized in host memory (the same RNG stream on every layout and device), then placed
