@@ -24,6 +24,7 @@ from speedllm.runtime import Runtime, init_runtime
 TASKS = {
     "pretrain": "speedllm.train.loop:run",
     "sft": "speedllm.train.loop:run",
+    "dpo": "speedllm.finetune.dpo:run",
     "generate": "speedllm.infer.generate:run",
     "chat": "speedllm.infer.chat:run",
     "evaluate": "speedllm.infer.evaluate:run",

@@ -63,6 +63,29 @@ def load_dcp_base(modules: List[nn.Module], ckpt: Path) -> None:
         set_model_state_dict(module, state, options=StateDictOptions(strict=False))
 
 
+# torchao's NF4 (to_nf4 defaults): a 4-bit code per weight, an int8 scaler per block of 64 weights, and an fp32
+# factor per 256 scalers (double quantization)
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
+NF4_BYTES = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_SCALER_BLOCK)
+
+
+def base_bytes(model_cfg, ft) -> dict:
+    """Parameter counts and bytes of an adapter run's model, from the meta model: the frozen base (NF4 for the
+    adapted projections under QLoRA, fp32 otherwise) and the trained adapters (fp32)."""
+    from speedllm.finetune.lora import apply_lora
+    from speedllm.models.qwen3 import Qwen3
+
+    with torch.device("meta"):
+        model = Qwen3(model_cfg)
+    adapted = apply_lora(model, ft.rank, ft.alpha, ft.dropout, ft.targets)
+    quantized = sum(model.get_submodule(name).weight.numel() for name in adapted) if ft.name == "qlora" else 0
+    params = {id(p): p for p in model.parameters()}.values()  # tied weights once
+    base = sum(p.numel() for p in params if not p.requires_grad)
+    adapters = sum(p.numel() for p in params if p.requires_grad)
+    return {"base_params": base, "base_bytes": (base - quantized) * 4 + quantized * NF4_BYTES,
+            "adapter_params": adapters}
+
+
 def quantize_base(modules: List[nn.Module], targets) -> None:
     """QLoRA: the adapted projections' frozen weights become NF4 (torchao), 4 bits per weight + block scales."""
     from torchao.quantization import to_nf4

@@ -88,6 +88,13 @@ def run(cfg: DictConfig, rt) -> None:
         else:
             mine = planner.estimate(layout, cfg.parallel.pp_layers)
     print(format_table(cfg, planner, result, time.perf_counter() - start, mine))
+    if cfg.finetune.name != "full":
+        from speedllm.finetune.base import base_bytes
+
+        facts = base_bytes(cfg.model, cfg.finetune)
+        print(f"finetune={cfg.finetune.name}: frozen base {facts['base_params'] / 1e6:,.1f}M params at "
+              f"{facts['base_bytes'] / facts['base_params']:.3f} bytes/param ({facts['base_bytes'] / GIB:.2f} GiB), "
+              f"adapters {facts['adapter_params'] / 1e6:,.2f}M params trained (the table costs full training)")
     if note is not None:
         print(note)
     if result.best is None:

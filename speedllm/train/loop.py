@@ -191,21 +191,10 @@ def load_request(cfg: DictConfig):
     return cfg.checkpoint.load
 
 
-def run(cfg: DictConfig, rt: Runtime) -> None:
-    """Train (task=pretrain) or fine-tune (task=sft) per cfg; checkpoints, metrics and samples go to the run dir."""
-    from speedllm.data.loader import build_loader
-
-    t, ck = cfg.train, cfg.checkpoint
-    seed_everything(cfg.seed)
-    dp_rank, dp_size, group = dp_coords(rt)
-    accum = grad_accum_steps(t, dp_size)
-    model = build_model(cfg, rt)
-    optimizer = build_optimizer(model, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, t.steps)
-    loader = build_loader(cfg, "train", dp_rank, dp_size, t.micro_batch_size, t.seq_len, cfg.seed)
-    autocast = autocast_for(cfg, model, rt.device)
-
-    step = 0
+def restore(cfg: DictConfig, rt: Runtime, model, optimizer, scheduler, loader) -> tuple:
+    """Load what the run starts from: a checkpoint to resume (model, optimizer, scheduler, loader position, RNG),
+    else HF weights (checkpoint.load_hf); under adapters the frozen base first. Returns (step, checkpoint | None)."""
+    step, ck = 0, cfg.checkpoint
     resume_from = resolve_load(load_request(cfg), ck.dir)
     if cfg.finetune.name != "full":  # the frozen base under the adapters; the adapters resume below
         from speedllm.finetune.base import load_base
@@ -221,6 +210,24 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
             print(f"resumed from {resume_from} at step {step}")
     elif ck.load_hf is not None and cfg.finetune.name == "full":  # fine-tune from HF weights (a resume first)
         load_hf_weights(model_parts(model), ck.load_hf)
+    return step, resume_from
+
+
+def run(cfg: DictConfig, rt: Runtime) -> None:
+    """Train (task=pretrain) or fine-tune (task=sft) per cfg; checkpoints, metrics and samples go to the run dir."""
+    from speedllm.data.loader import build_loader
+
+    t, ck = cfg.train, cfg.checkpoint
+    seed_everything(cfg.seed)
+    dp_rank, dp_size, group = dp_coords(rt)
+    accum = grad_accum_steps(t, dp_size)
+    model = build_model(cfg, rt)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, t.steps)
+    loader = build_loader(cfg, "train", dp_rank, dp_size, t.micro_batch_size, t.seq_len, cfg.seed)
+    autocast = autocast_for(cfg, model, rt.device)
+
+    step, resume_from = restore(cfg, rt, model, optimizer, scheduler, loader)
 
     def checkpoint() -> None:
         extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
