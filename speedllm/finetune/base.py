@@ -63,8 +63,8 @@ def load_dcp_base(modules: List[nn.Module], ckpt: Path) -> None:
         set_model_state_dict(module, state, options=StateDictOptions(strict=False))
 
 
-# torchao's NF4 (to_nf4 defaults): a 4-bit code per weight, an int8 scaler per block of 64 weights, and an fp32
-# factor per 256 scalers (double quantization)
+# torchao's NF4 (to_nf4 defaults): a 4-bit code per weight, an int8 scaler per block of 64 weights, an fp32
+# factor per 256 scalers (double quantization), and one fp32 scaler mean per tensor
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
 NF4_BYTES = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_SCALER_BLOCK)
 
@@ -78,11 +78,12 @@ def base_bytes(model_cfg, ft) -> dict:
     with torch.device("meta"):
         model = Qwen3(model_cfg)
     adapted = apply_lora(model, ft.rank, ft.alpha, ft.dropout, ft.targets)
-    quantized = sum(model.get_submodule(name).weight.numel() for name in adapted) if ft.name == "qlora" else 0
+    quantized = [model.get_submodule(name).weight.numel() for name in adapted] if ft.name == "qlora" else []
     params = {id(p): p for p in model.parameters()}.values()  # tied weights once
     base = sum(p.numel() for p in params if not p.requires_grad)
     adapters = sum(p.numel() for p in params if p.requires_grad)
-    return {"base_params": base, "base_bytes": (base - quantized) * 4 + quantized * NF4_BYTES,
+    nf4_bytes = sum(quantized) * NF4_BYTES + 4 * len(quantized)
+    return {"base_params": base, "base_bytes": (base - sum(quantized)) * 4 + nf4_bytes,
             "adapter_params": adapters}
 
 
@@ -91,9 +92,10 @@ def quantize_base(modules: List[nn.Module], targets) -> None:
     from torchao.quantization import to_nf4
 
     for module in modules:
-        for linear in target_linears(module, targets).values():
-            if not isinstance(linear.weight, torch.Tensor) or type(linear.weight).__name__ == "NF4Tensor":
-                continue
+        for name, linear in target_linears(module, targets).items():
+            if linear.weight.numel() % (NF4_BLOCK * NF4_SCALER_BLOCK):
+                raise UserError(f"finetune=qlora: {name}.weight has {linear.weight.numel()} weights, but NF4 needs a "
+                                f"multiple of {NF4_BLOCK * NF4_SCALER_BLOCK}; use finetune=lora for this model")
             linear.weight = nn.Parameter(to_nf4(linear.weight.detach()), requires_grad=False)
 
 
