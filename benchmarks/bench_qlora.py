@@ -36,7 +36,6 @@ def worker(args) -> dict:
     from speedllm.config import register_configs
     from speedllm.data.loader import build_loader
     from speedllm.finetune.base import load_base
-    from speedllm.parallel import model_parts
     from speedllm.runtime import Runtime, seed_everything
     from speedllm.train.loop import build_model, train_step
     from speedllm.train.optimizer import build_optimizer
@@ -50,16 +49,16 @@ def worker(args) -> dict:
             "run_dir=/tmp/bench_qlora"])
     OmegaConf.resolve(cfg)
     seed_everything(cfg.seed)
-    model = build_model(cfg, Runtime())
-    load_base(model_parts(model), cfg, None)
-    optimizer = build_optimizer(model, cfg.optim)
+    pm = build_model(cfg, Runtime())
+    load_base(pm.parts, cfg, None)
+    optimizer = build_optimizer(pm.module, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, args.steps)
     loader = build_loader(cfg, "train", 0, 1, 1, cfg.train.seq_len, cfg.seed)
     batches = [next(loader) for _ in range(args.steps)]
     gc.collect()
     ready = rss("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    losses = [train_step(model, optimizer, scheduler, [b], cfg, 1, None, torch.autocast("cpu", enabled=False))[0]
+    losses = [train_step(pm, optimizer, scheduler, [b], cfg, 1, None, torch.autocast("cpu", enabled=False))[0]
               for b in batches]
     return {"mode": args.worker, "ready_gib": ready, "step_peak_gib": rss("VmHWM"), "losses": losses}
 

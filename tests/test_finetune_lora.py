@@ -24,7 +24,6 @@ from speedllm.errors import UserError
 from speedllm.finetune.base import load_base
 from speedllm.finetune.lora import apply_lora, is_adapter
 from speedllm.models.qwen3 import Qwen3
-from speedllm.parallel import model_parts
 from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.loop import build_model, run, train_step
 from speedllm.train.optimizer import build_optimizer
@@ -62,28 +61,29 @@ def sft_config(run_dir, hf_dir, *overrides):
 
 def prepared(cfg):
     """Our model for cfg with its base (and adapters' start) loaded, as the training loop prepares it."""
-    model = build_model(cfg, Runtime())
+    pm = build_model(cfg, Runtime())
     if cfg.finetune.name == "full":
-        load_hf_weights(model, cfg.checkpoint.load_hf)
+        load_hf_weights(pm.parts, cfg.checkpoint.load_hf)
     else:
-        load_base(model_parts(model), cfg, None)
-    return model
+        load_base(pm.parts, cfg, None)
+    return pm
 
 
-def steps(model, cfg, n):
-    optimizer = build_optimizer(model, cfg.optim)
+def steps(pm, cfg, n):
+    optimizer = build_optimizer(pm.module, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, n)
     loader = build_loader(cfg, "train", 0, 1, 2, cfg.train.seq_len, cfg.seed)
-    return [train_step(model, optimizer, scheduler, [next(loader)], cfg, 1, None, NO_AUTOCAST)[0] for _ in range(n)]
+    return [train_step(pm, optimizer, scheduler, [next(loader)], cfg, 1, None, NO_AUTOCAST)[0] for _ in range(n)]
 
 
 def test_first_step_equals_full_finetuning_and_base_stays_bit_identical(hf_dir, tmp_path):
     full = sft_config(tmp_path / "full", hf_dir)
     lora = sft_config(tmp_path / "lora", hf_dir, *LORA)
     (full_loss,) = steps(prepared(full), full, 1)
-    model = prepared(lora)
+    pm = prepared(lora)
+    model = pm.module
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    lora_losses = steps(model, lora, 4)
+    lora_losses = steps(pm, lora, 4)
     assert lora_losses[0] == full_loss  # B = 0: bitwise the base model's loss
     assert lora_losses[-1] < lora_losses[0]
     after = model.state_dict()
@@ -96,9 +96,9 @@ def test_first_step_equals_full_finetuning_and_base_stays_bit_identical(hf_dir, 
 def test_random_base_is_the_one_full_finetuning_starts_from(tmp_path):
     tiny = [o for o in TINY if o.startswith("model")]
     seed_everything(0)
-    full = build_model(config(tmp_path, *tiny), Runtime()).state_dict()
+    full = build_model(config(tmp_path, *tiny), Runtime()).module.state_dict()
     seed_everything(0)
-    lora = build_model(config(tmp_path, *tiny, *LORA), Runtime()).state_dict()
+    lora = build_model(config(tmp_path, *tiny, *LORA), Runtime()).module.state_dict()
     assert {k for k in lora if not is_adapter(k)} == full.keys()
     assert all(torch.equal(full[k], lora[k]) for k in full)
 
@@ -113,11 +113,11 @@ def trained(hf_dir, tmp_path_factory):
 
 
 def our_logits(cfg, ckpt, tokens):
-    model = build_model(cfg, Runtime())
-    load_base(model_parts(model), cfg, ckpt)
-    load_checkpoint(ckpt, model, build_optimizer(model, cfg.optim))
+    pm = build_model(cfg, Runtime())
+    load_base(pm.parts, cfg, ckpt)
+    load_checkpoint(ckpt, pm.module, build_optimizer(pm.module, cfg.optim))
     with torch.no_grad():
-        return model.eval()(tokens)
+        return pm.eval()(tokens)
 
 
 def test_peft_export_and_merged_export_give_our_logits(trained, hf_dir, tmp_path):

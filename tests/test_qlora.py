@@ -9,7 +9,6 @@ from speedllm.config.schema import ROOT, ModelConfig
 from speedllm.finetune.base import base_bytes, load_base
 from speedllm.finetune.lora import target_linears
 from speedllm.models.qwen3 import Qwen3
-from speedllm.parallel import model_parts
 from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.loop import build_model
 from test_finetune_lora import LORA, config, steps
@@ -27,16 +26,16 @@ def test_qlora_base_is_nf4_and_trains_like_lora(tmp_path):
     for mode in ("lora", "qlora"):
         cfg = config(tmp_path / mode, *TINY, *NF4_SIZES, *SFT, *LORA, f"finetune={mode}")
         seed_everything(cfg.seed)
-        model = build_model(cfg, Runtime())
-        full = {name: linear.weight.detach().clone() for name, linear in target_linears(model, cfg.finetune.targets)
-                .items()}
-        load_base(model_parts(model), cfg, None)
+        pm = build_model(cfg, Runtime())
+        adapted = target_linears(pm.module, cfg.finetune.targets)
+        full = {name: linear.weight.detach().clone() for name, linear in adapted.items()}
+        load_base(pm.parts, cfg, None)
         if mode == "qlora":
-            for name, linear in target_linears(model, cfg.finetune.targets).items():
+            for name, linear in target_linears(pm.module, cfg.finetune.targets).items():
                 assert type(linear.weight).__name__ == "NF4Tensor" and not linear.weight.requires_grad
                 # the same NF4 as torchao's own quantization of the fp32 weight
                 assert torch.equal(linear.weight.get_original_weight(), to_nf4(full[name]).get_original_weight())
-        losses[mode] = steps(model, cfg, 3)
+        losses[mode] = steps(pm, cfg, 3)
     assert losses["qlora"][-1] < losses["qlora"][0]
     for a, b in zip(losses["qlora"], losses["lora"]):
         assert a == pytest.approx(b, rel=0.02)

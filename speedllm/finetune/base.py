@@ -10,16 +10,12 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from torch import nn
 
 from speedllm.checkpoint.dcp import _quiet_dcp, resolve_load
 from speedllm.errors import UserError
 from speedllm.finetune.lora import is_adapter, target_linears
-
-
-def uses_adapters(cfg: DictConfig) -> bool:
-    return cfg.finetune.name != "full"
 
 
 def holds_adapters(ckpt: Path) -> bool:
@@ -99,7 +95,7 @@ def quantize_base(modules: List[nn.Module], targets) -> None:
             linear.weight = nn.Parameter(to_nf4(linear.weight.detach()), requires_grad=False)
 
 
-def load_base(modules: List[nn.Module], cfg: DictConfig, resume_from: Optional[Path]) -> Optional[Path]:
+def load_base(modules: List[nn.Module], cfg, resume_from: Optional[Path]) -> Optional[Path]:
     """Fill the frozen base of an adapter model, start the adapters from finetune.adapter when given, and
     quantize the base for QLoRA. Returns the adapter checkpoint to resume from (None: a fresh start)."""
     from speedllm.checkpoint.hf import load_hf_weights

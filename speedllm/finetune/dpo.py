@@ -21,7 +21,6 @@ from typing import List
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from omegaconf import DictConfig
 from torch import nn
 
 from speedllm.checkpoint.dcp import save_checkpoint
@@ -29,8 +28,7 @@ from speedllm.checkpoint.hf import load_hf_weights
 from speedllm.finetune.lora import adapters_disabled
 from speedllm.parallel import clip_grad_norm
 from speedllm.runtime import Runtime, seed_everything
-from speedllm.train.loop import (autocast_for, build_model, dp_coords, grad_accum_steps, restore, rng_state,
-                                 to_device)
+from speedllm.train.loop import autocast_for, build_model, grad_accum_steps, restore, rng_state, to_device
 from speedllm.train.metrics import MetricsLogger
 from speedllm.train.optimizer import build_optimizer
 from speedllm.train.schedule import build_scheduler
@@ -54,9 +52,14 @@ def dpo_losses(policy_R: torch.Tensor, reference_R: torch.Tensor, beta: float) -
     return -F.logsigmoid(chosen - rejected), chosen.detach(), rejected.detach()
 
 
-def dpo_step(model, reference, optimizer, scheduler, micro_batches: List[dict], cfg, dp_size, group,
+def dpo_step(pm, reference, optimizer, scheduler, micro_batches: List[dict], cfg, dp_size, group,
              autocast) -> dict:
-    """One optimizer step over this rank's micro-batches of pairs; returns the step's metrics (all ranks)."""
+    """One optimizer step over this rank's micro-batches of pairs; returns the step's metrics (all ranks).
+
+    pm: the policy (a ParallelModel without pipeline stages); reference: the frozen reference model, or None
+    for the policy with its adapters disabled.
+    """
+    model = pm.module
     num_micro = len(micro_batches)
     device = micro_batches[0]["tokens"].device
     num_pairs = torch.tensor(float(sum(mb["tokens"].shape[0] for mb in micro_batches)), device=device)
@@ -76,7 +79,7 @@ def dpo_step(model, reference, optimizer, scheduler, micro_batches: List[dict], 
     if group is not None:
         dist.all_reduce(totals, group=group)
     loss, chosen, rejected, correct = (totals / num_pairs).tolist()
-    grad_norm = clip_grad_norm(model, cfg.train.grad_clip)
+    grad_norm = clip_grad_norm(pm, cfg.train.grad_clip)
     ok = math.isfinite(loss) and bool(torch.isfinite(grad_norm))
     if ok:
         optimizer.step()
@@ -88,27 +91,27 @@ def dpo_step(model, reference, optimizer, scheduler, micro_batches: List[dict], 
             "reward_accuracy": correct, "grad_norm": grad_norm.item()}
 
 
-def run(cfg: DictConfig, rt: Runtime) -> None:
+def run(cfg, rt: Runtime) -> None:
     """task=dpo: train the policy on data.format=pairs; metrics, checkpoints (as task=sft) go to the run dir."""
     from speedllm.data.loader import build_loader
 
     t, ck = cfg.train, cfg.checkpoint
-    dp_rank, dp_size, group = dp_coords(rt)
+    dp_rank, dp_size, group = rt.dims.coords("dp")
     accum = grad_accum_steps(t, dp_size)
     reference = None
     if cfg.finetune.name == "full":  # the starting weights, frozen: built and loaded like the policy
         seed_everything(cfg.seed)
-        reference = build_model(cfg, rt)
+        reference = build_model(cfg, rt).module
         if ck.load_hf is not None:
             load_hf_weights(reference, ck.load_hf)
         reference.requires_grad_(False)
     seed_everything(cfg.seed)
-    model = build_model(cfg, rt)
-    optimizer = build_optimizer(model, cfg.optim)
+    pm = build_model(cfg, rt)
+    optimizer = build_optimizer(pm.module, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, t.steps)
     loader = build_loader(cfg, "train", dp_rank, dp_size, t.micro_batch_size, t.seq_len, cfg.seed)
-    autocast = autocast_for(cfg, model, rt.device)
-    step, _ = restore(cfg, rt, model, optimizer, scheduler, loader)
+    autocast = autocast_for(cfg, pm, rt.device)
+    step, _ = restore(cfg, rt, pm, optimizer, scheduler, loader)
     logger = MetricsLogger(cfg.run_dir, t.steps, step, rt.is_main, cfg.logging.tensorboard, cfg.logging.progress_bar)
     stop_at = min(t.steps, step + t.stop_after) if t.stop_after > 0 else t.steps
     try:
@@ -116,7 +119,7 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
             start = time.perf_counter()
             lr = scheduler.get_last_lr()[0]
             micro_batches = [to_device(next(loader), rt.device) for _ in range(accum)]
-            metrics = dpo_step(model, reference, optimizer, scheduler, micro_batches, cfg, dp_size, group, autocast)
+            metrics = dpo_step(pm, reference, optimizer, scheduler, micro_batches, cfg, dp_size, group, autocast)
             step += 1
             logger.advance(step)
             if step % t.log_every == 0 or step == stop_at:
@@ -125,6 +128,6 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
             if (ck.every > 0 and step % ck.every == 0) or (step == stop_at and ck.save_final):
                 extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
                          "rng": rng_state(rt.device)}
-                save_checkpoint(ck.dir, step, model, optimizer, extra, cfg, ck.keep)
+                save_checkpoint(ck.dir, step, pm.module, optimizer, extra, cfg, ck.keep)
     finally:
         logger.close()

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Dict
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from speedllm.checkpoint.dcp import _quiet_dcp
 from speedllm.finetune.base import base_source, load_dcp_base
@@ -42,7 +42,7 @@ def export_peft(ckpt: Path, out: str) -> Path:
     return write_peft_dir(out, saved.finetune, read_adapters(ckpt), base if kind == "hf" else None)
 
 
-def export_merged(ckpt: Path, out: str, cfg: DictConfig, dtype) -> Path:
+def export_merged(ckpt: Path, out: str, cfg, dtype) -> Path:
     """Base + scaling * B @ A for every adapted weight, written as an HF directory (transformers loads it)."""
     from speedllm.checkpoint.hf import load_hf_weights, write_hf_dir
     from speedllm.models.qwen3 import Qwen3

@@ -20,7 +20,8 @@ import contextlib
 import math
 import zlib
 from contextvars import ContextVar
-from typing import Dict, Iterable, List
+from functools import partial
+from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -152,3 +153,10 @@ def merged_state_dict(state: Dict[str, torch.Tensor], scaling: float) -> Dict[st
             delta = lora_delta(state[name], state[f"{prefix}.lora_B.weight"], scaling)
             out[f"{prefix}.weight"] = (base.float() + delta).to(base.dtype)
     return out
+
+
+def adapter_fn(ft) -> Optional[Callable[[nn.Module], List[str]]]:
+    """What parallelize applies to each model part for finetune=lora|qlora (None for full fine-tuning)."""
+    if ft.name == "full":
+        return None
+    return partial(apply_lora, rank=ft.rank, alpha=ft.alpha, dropout=ft.dropout, targets=list(ft.targets))
