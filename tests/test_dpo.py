@@ -113,3 +113,27 @@ def test_reward_accuracy_rises_above_0_9_on_an_easy_preference(tmp_path):
     records = metrics(Path(cfg.run_dir))
     assert records[0]["loss"] == pytest.approx(0.6931472, abs=1e-6)  # B = 0: policy = reference, loss log 2
     assert records[-1]["reward_accuracy"] > 0.9 and records[-1]["reward_margin"] > 0, records
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["task=dpo"], "task=dpo needs data.input=<json/jsonl of prompt/chosen/rejected pairs>"),
+    (["task=dpo", "data.input=x.jsonl", "parallel=pp2"], "task=dpo does not run on pipeline stages"),
+    (["task=sft", "finetune=lora", "finetune.targets=[q_proj,lm_head]"], "finetune.targets=['q_proj', 'lm_head']: "
+     "['lm_head'] not adaptable; pick from q_proj"),
+    (["task=sft", "finetune.adapter=/nowhere"], "finetune.adapter=/nowhere needs adapters to load into; add "
+     "finetune=lora"),
+    (["task=sft", "finetune=qlora", "parallel=fsdp2"], "finetune=qlora runs in one process"),
+])
+def test_finetune_and_dpo_settings_are_validated_before_launch(overrides, message):
+    from omegaconf import open_dict
+
+    from speedllm.config.validate import validate
+    from speedllm.launcher import resolve_layout
+    from test_config import composed
+
+    cfg = composed("hardware=cpu", *overrides)
+    with open_dict(cfg):
+        world, nproc = resolve_layout(cfg)
+        with pytest.raises(UserError) as err:
+            validate(cfg, world, nproc)
+    assert message in str(err.value) and "\n" not in str(err.value)

@@ -23,6 +23,7 @@ from speedllm.data.loader import build_loader
 from speedllm.errors import UserError
 from speedllm.finetune.base import load_base
 from speedllm.finetune.lora import apply_lora, is_adapter
+from speedllm.infer.load import load_model
 from speedllm.models.qwen3 import Qwen3
 from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.loop import build_model, run, train_step
@@ -193,7 +194,11 @@ def test_peft_made_adapter_loads_with_peft_logits_and_mismatches_are_one_line_er
     cfg = sft_config(tmp_path / "run", hf_dir, *LORA, f"finetune.adapter={tmp_path / 'adapter'}")
     with torch.no_grad():
         ours = prepared(cfg).eval()(tokens)
+        generating = load_model(config(tmp_path / "gen", "task=generate", "model=hf", "generate.prompt=x",
+                                       f"checkpoint.load_hf={hf_dir}", *LORA, f"finetune.adapter={tmp_path / 'adapter'}"),
+                               Runtime())(tokens)
     assert (ours - theirs).abs().max().item() <= 1e-5
+    assert (generating - theirs).abs().max().item() <= 1e-5  # task=generate|chat|evaluate with the adapter
 
     for overrides, message in [(["finetune.rank=8"], "adapter r=4 but finetune.rank=8; set finetune.rank=4"),
                                (["finetune.targets=[q_proj,v_proj]"], "set finetune.targets=[")]:

@@ -95,6 +95,8 @@ def check_finetune(cfg: DictConfig) -> None:
     if task == "dpo":
         if cfg.data.format != "pairs":
             raise UserError(f"task=dpo needs preference pairs; set data.format=pairs (now {cfg.data.format})")
+        if cfg.data.input is None:
+            raise UserError("task=dpo needs data.input=<json/jsonl of prompt/chosen/rejected pairs>")
         if p.pp > 1:
             raise UserError(f"task=dpo does not run on pipeline stages (parallel.pp={p.pp}); use parallel.pp=1")
     elif cfg.data.format == "pairs" and task in ("pretrain", "sft"):
@@ -113,7 +115,7 @@ def check_finetune(cfg: DictConfig) -> None:
     if ft.name == "qlora" and p.dp * p.tp * p.pp * p.cp > 1:
         raise UserError(f"finetune=qlora runs in one process (NF4 base); use parallel=single, or finetune=lora for "
                         f"{p.name}")
-    if ft.adapter is not None and task in ("sft", "pretrain", "dpo"):
+    if ft.adapter is not None:
         from speedllm.finetune.peft import read_peft_config
 
         read_peft_config(ft.adapter, ft)
