@@ -131,7 +131,10 @@ def test_peft_export_and_merged_export_give_our_logits(trained, hf_dir, tmp_path
 
     convert(config(tmp_path / "c1", "task=convert", f"checkpoint.load={trained.checkpoint.dir}", "convert.to=peft",
                    f"convert.out={tmp_path / 'peft'}"), None)
-    assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["r"] == 4
+    adapter_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    attention = ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert adapter_config["r"] == 4 and adapter_config["target_modules"] == (
+        attention if "moe" in str(hf_dir) else sorted(attention + ["down_proj", "gate_proj", "up_proj"]))
     base = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     with torch.no_grad():
         base_logits = base(tokens).logits

@@ -30,10 +30,10 @@ def from_peft_name(name: str) -> str:
     return name.removeprefix(PREFIX).replace(".default.", ".")  # some PEFT versions keep the adapter name
 
 
-def adapter_config(ft, base: Optional[str]) -> dict:
-    """PEFT's LoraConfig fields for our finetune config."""
+def adapter_config(ft, targets: List[str], base: Optional[str]) -> dict:
+    """PEFT's LoraConfig fields for our finetune config and the module names that hold adapters."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": ft.rank,
-            "lora_alpha": ft.alpha, "lora_dropout": ft.dropout, "target_modules": sorted(ft.targets),
+            "lora_alpha": ft.alpha, "lora_dropout": ft.dropout, "target_modules": targets,
             "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
             "use_rslora": False, "use_dora": False, "modules_to_save": None}
 
@@ -50,7 +50,10 @@ def write_peft_dir(out: str, ft, tensors: Dict[str, torch.Tensor], base: Optiona
     tmp.mkdir(parents=True)
     save_file({to_peft_name(k): v.detach().to("cpu").contiguous() for k, v in tensors.items()},
               str(tmp / WEIGHTS), metadata={"format": "pt"})
-    (tmp / CONFIG).write_text(json.dumps(adapter_config(ft, base), indent=2, sort_keys=True) + "\n")
+    # the names that were adapted, not finetune.targets: on a MoE model peft would map gate/up/down_proj to the
+    # experts' fused weights, which hold no adapters here
+    targets = sorted({name.split(".")[-3] for name in tensors})  # layers.0.self_attn.q_proj.lora_A.weight
+    (tmp / CONFIG).write_text(json.dumps(adapter_config(ft, targets, base), indent=2, sort_keys=True) + "\n")
     if out_path.exists():
         out_path.rmdir()
     os.replace(tmp, out_path)
