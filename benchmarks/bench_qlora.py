@@ -80,12 +80,11 @@ def main() -> None:
                              env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**16)})
         if out.returncode:
             sys.exit(out.stderr[-3000:])
-        results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+        r = results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"{args.model}, {args.steps} steps of 1 x {args.seq_len} tokens, fp32 compute, rank 8, {mode}: model "
+              f"ready {r['ready_gib']:.2f} GiB, step peak {r['step_peak_gib']:.2f} GiB, losses "
+              f"{', '.join(f'{x:.4f}' for x in r['losses'])}", flush=True)
     lora, qlora = results["lora"], results["qlora"]
-    print(f"{args.model}, {args.steps} steps of 1 x {args.seq_len} tokens, fp32 compute, rank 8 on all projections")
-    for r in (lora, qlora):
-        print(f"  {r['mode']:>6}: model ready {r['ready_gib']:.2f} GiB, step peak {r['step_peak_gib']:.2f} GiB, "
-              f"losses {', '.join(f'{x:.4f}' for x in r['losses'])}")
     print(f"  step peak qlora / lora: {qlora['step_peak_gib'] / lora['step_peak_gib']:.3f}; last loss qlora / lora: "
           f"{qlora['losses'][-1] / lora['losses'][-1]:.4f}")
 
