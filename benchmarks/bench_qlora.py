@@ -1,6 +1,6 @@
 """Peak memory and loss of a QLoRA step against a LoRA step on the fp32 base, qwen3_0.6b-sized, on the CPU.
 
-    python benchmarks/bench_qlora.py [--model qwen3_0.6b] [--steps 3] [--seq-len 128]
+    python benchmarks/bench_qlora.py [--model qwen3_0.6b] [--steps 3] [--seq-len 128] [--loss-chunk-size 128]
 
 Each mode runs in its own process through the training code path (build_model, speedllm.finetune.base.load_base:
 a random fp32 base, which finetune=qlora turns into NF4, then train_step on the bundled SFT set with the Qwen3
@@ -46,7 +46,7 @@ def worker(args) -> dict:
         cfg = compose("config", overrides=[
             f"model={args.model}", "hardware=cpu", "task=sft", f"finetune={args.worker}", f"train.seq_len={args.seq_len}",
             "train.micro_batch_size=1", "train.global_batch_size=1", "optim.warmup_steps=0", "optim.lr=1e-3",
-            "run_dir=/tmp/bench_qlora"])
+            f"train.loss_chunk_size={args.loss_chunk_size}", "run_dir=/tmp/bench_qlora"])
     OmegaConf.resolve(cfg)
     seed_everything(cfg.seed)
     pm = build_model(cfg, Runtime())
@@ -68,6 +68,9 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3_0.6b")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=128)
+    # tokens per chunk of the output projection + loss: on CPU its fp32 logits buffer (chunk x 151,936 x 4 bytes)
+    # is kept between steps, the same in both modes
+    parser.add_argument("--loss-chunk-size", type=int, default=128)
     parser.add_argument("--worker", choices=["lora", "qlora"])
     args = parser.parse_args()
     if args.worker:
@@ -76,7 +79,8 @@ def main() -> None:
     results = {}
     for mode in ("lora", "qlora"):
         out = subprocess.run([sys.executable, __file__, "--worker", mode, "--model", args.model, "--steps",
-                              str(args.steps), "--seq-len", str(args.seq_len)], capture_output=True, text=True,
+                              str(args.steps), "--seq-len", str(args.seq_len), "--loss-chunk-size",
+                              str(args.loss_chunk_size)], capture_output=True, text=True,
                              env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**16)})
         if out.returncode:
             sys.exit(out.stderr[-3000:])
