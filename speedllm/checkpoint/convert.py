@@ -2,6 +2,7 @@
 
     python launch.py task=convert checkpoint.load_hf=<HF dir> convert.to=dcp convert.out=<dir>
     python launch.py task=convert checkpoint.load=<checkpoint dir> convert.to=hf convert.out=<dir> [quant=int8_wo]
+    python launch.py task=convert checkpoint.load=<LoRA run checkpoints> convert.to=peft convert.out=<dir>
 
 Both run in one process on the CPU. Our checkpoints are layout-free, so a checkpoint saved under any parallel
 layout converts the same way. The DCP checkpoint written here is laid out like a training checkpoint
@@ -24,6 +25,8 @@ from speedllm.checkpoint.dcp import (LATEST, _quiet_dcp, dcp_load, read_metadata
 from speedllm.checkpoint.hf import (check_hf_files, copy_tokenizer, has_tokenizer, hf_model_fields, read_hf_config,
                                     weight_files, write_hf_dir)
 from speedllm.errors import UserError
+from speedllm.finetune.base import holds_adapters
+from speedllm.finetune.export import export_merged, export_peft
 from speedllm.hardware import DTYPES
 from speedllm.models.hf_adapter import from_hf_state_dict
 from speedllm.outputs import make_scratch_dir, write_text_atomic
@@ -88,13 +91,24 @@ def hf_to_dcp(path: str, out: str, cfg: DictConfig) -> Path:
 
 
 def dcp_to_hf(load: str, out: str, cfg: DictConfig) -> Path:
-    """Export the model of checkpoint `load` (a step directory or a root with `latest`) as an HF directory."""
+    """Export the model of checkpoint `load` (a step directory or a root with `latest`) as an HF directory;
+    an adapter checkpoint as a PEFT directory (convert.to=peft) or merged into its base (convert.merge_lora)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     ckpt = resolve_load(load, cfg.checkpoint.dir)
     if not (ckpt / "config.yaml").is_file():
         raise UserError(f"checkpoint.load={load}: {ckpt} has no config.yaml, so its model is unknown; point it at "
                         "a checkpoint written by SpeedLLM")
+    if holds_adapters(ckpt) != (cfg.convert.to == "peft" or cfg.convert.merge_lora):
+        if holds_adapters(ckpt):
+            raise UserError(f"checkpoint.load={load} holds LoRA adapters only; use convert.to=peft for an adapter "
+                            "directory or convert.merge_lora=true for merged weights")
+        raise UserError(f"checkpoint.load={load} holds no LoRA adapters; use convert.to=hf without "
+                        "convert.merge_lora (or a checkpoint of a finetune=lora run)")
+    if cfg.convert.to == "peft":
+        return export_peft(ckpt, out)
+    if cfg.convert.merge_lora:
+        return export_merged(ckpt, out, cfg, _dtype(cfg))
     saved = read_saved_config(ckpt)
     metadata = read_metadata(ckpt).state_dict_metadata
     tensors = {key.removeprefix("model."): (tuple(meta.size), meta.properties.dtype)
@@ -116,7 +130,7 @@ def dcp_to_hf(load: str, out: str, cfg: DictConfig) -> Path:
 
 
 def run(cfg: DictConfig, rt) -> None:
-    """task=convert (one process): convert.to=dcp reads checkpoint.load_hf, convert.to=hf reads checkpoint.load."""
+    """task=convert (one process): convert.to=dcp reads checkpoint.load_hf, convert.to=hf | peft checkpoint.load."""
     if cfg.convert.to == "dcp":
         written = hf_to_dcp(cfg.checkpoint.load_hf, cfg.convert.out, cfg)
     elif cfg.quant.name != "none":

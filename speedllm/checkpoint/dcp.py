@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from speedllm.errors import UserError, reading
 from speedllm.outputs import MARKER, make_scratch_dir, remove_ours, write_text_atomic
@@ -157,6 +157,20 @@ def latest_checkpoint(root: str) -> Optional[Path]:
     return path
 
 
+def _trained_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
+    """(model, optimizer) state dicts without the frozen parameters, and the options to load them back.
+
+    Frozen parameters (the base under LoRA adapters) stay out of training checkpoints: they come from their own
+    source (speedllm.finetune.base), so an adapter checkpoint is small. (StateDictOptions.ignore_frozen_params
+    keeps the second name of a tied weight, so the names are filtered here.)
+    """
+    frozen = {n.replace("_checkpoint_wrapped_module.", "") for n, p in model.named_parameters(remove_duplicate=False)
+              if not p.requires_grad}
+    options = StateDictOptions(strict=not frozen)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd, options
+
+
 def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     extra: Dict[str, Any], cfg: DictConfig, keep: int) -> Path:
     """Write checkpoint `step` on every rank, then publish it as `latest` and keep the newest `keep`.
@@ -175,7 +189,7 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: torch.opt
                             "checkpoint.dir")
         make_scratch_dir(tmp, "checkpoint.dir")  # replaces one left by a process killed mid-write
     _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd, _ = _trained_state(model, optimizer)
     with _quiet_dcp():
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
     torch.save(extra, tmp / f"extra_rank{rank}.pt")
@@ -227,10 +241,11 @@ def resolve_load(load: Optional[str], root: str) -> Optional[Path]:
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     """Load model + optimizer in place (any layout) and return this rank's `extra` state."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd, options = _trained_state(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp_load(state, path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=options)
     extra_file = path / f"extra_rank{_rank()}.pt"
     if not extra_file.is_file():
         # more ranks than the checkpoint was written with: replicated state (step, RNG seed stream) from rank 0

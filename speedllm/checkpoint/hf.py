@@ -26,6 +26,7 @@ from torch import nn
 
 from speedllm.config.schema import ModelConfig
 from speedllm.errors import UserError, reading
+from speedllm.finetune.lora import is_adapter
 from speedllm.models.hf_adapter import hf_config, model_config_from_hf, to_hf_state_dict
 from speedllm.outputs import MARKER, make_scratch_dir
 
@@ -237,6 +238,8 @@ def load_hf_weights(model, path: str) -> None:
         for module in modules:
             state = get_model_state_dict(module)
             for name, target in state.items():
+                if is_adapter(name):  # LoRA adapters are not part of the base model
+                    continue
                 index = _local_slices(target)
                 local = target.to_local() if isinstance(target, DTensor) else target
                 sources = _sources(name, target.shape, model_cfg)

@@ -98,7 +98,7 @@ class QuantConfig:
 class TaskConfig:
     """What the run does: conf/task/<name>.yaml names the callable `_target_(cfg, rt)` that runs it."""
 
-    name: str = "pretrain"  # pretrain | sft | generate | chat | serve | evaluate | preprocess | convert | plan | doctor
+    name: str = "pretrain"  # pretrain | sft | dpo | generate | chat | serve | evaluate | preprocess | convert | plan | doctor
     _target_: str = "speedllm.train.loop.run"
     # planning or converting between machines: one process, no devices (the world size is not launched)
     in_process: bool = False
@@ -273,10 +273,30 @@ class ServeConfig:
 
 @dataclass
 class ConvertConfig:
-    to: str = "hf"  # hf | dcp
+    to: str = "hf"  # hf | dcp | peft
+    merge_lora: bool = False  # convert.to=hf of a LoRA checkpoint: base + adapters merged
     out: Optional[str] = None
     max_shard_size: str = "5GB"
     dtype: Optional[str] = None  # None keeps the checkpoint's dtype
+
+
+@dataclass
+class FinetuneConfig:
+    """What trains: every weight (full), or LoRA adapters on a frozen base (lora), held in 4-bit (qlora)."""
+
+    name: str = "full"  # full | lora | qlora
+    rank: int = 8
+    alpha: float = 16.0  # adapters are scaled by alpha / rank, as in PEFT
+    dropout: float = 0.0
+    # module names (the last part of the name, as PEFT's target_modules) to adapt
+    targets: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                        "up_proj", "down_proj"])
+    adapter: Optional[str] = None  # a PEFT adapter directory to start from
+
+
+@dataclass
+class DpoConfig:
+    beta: float = 0.1
 
 
 @dataclass
@@ -305,6 +325,8 @@ class RunConfig:
     convert: ConvertConfig = field(default_factory=ConvertConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
     seed: int = 1234
     run_dir: str = "${hydra:runtime.output_dir}"
 

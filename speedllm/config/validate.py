@@ -26,15 +26,17 @@ CHOICES = {
     "parallel.pp_schedule": ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"),
     "train.recompute": ("none", "selective", "full"),
     "optim.schedule": SCHEDULES,
-    "data.format": ("pretrain", "alpaca", "sharegpt", "messages"),
+    "data.format": ("pretrain", "alpaca", "sharegpt", "messages", "pairs"),
     "data.loss_on": ("all", "assistant", "last"),
     "data.overlong": ("truncate", "drop"),
     "data.on_error": ("fail", "skip"),
-    "convert.to": ("hf", "dcp"),
+    "convert.to": ("hf", "dcp", "peft"),
     "launcher.rdzv_backend": ("c10d", "static", "etcd", "etcd-v2"),
     "quant.name": QUANT_NAMES,
+    "finetune.name": ("full", "lora", "qlora"),
     "evaluate.split": ("train", "valid", "test"),
 }
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _at_least(low):
@@ -241,6 +243,38 @@ def check_quant(cfg: DictConfig) -> None:
                         "layers are not tensor-parallel); use parallel.tp=1 (int4 fits 8x more weights per device)")
 
 
+def check_finetune(cfg: DictConfig) -> None:
+    """finetune=lora|qlora settings, a PEFT adapter to start from, and DPO's data and layout."""
+    ft, p, task = cfg.finetune, cfg.parallel, cfg.task.name
+    if task == "dpo":
+        if cfg.data.format != "pairs":
+            raise UserError(f"task=dpo needs preference pairs; set data.format=pairs (now {cfg.data.format})")
+        if cfg.data.input is None:
+            raise UserError("task=dpo needs data.input=<json/jsonl of prompt/chosen/rejected pairs>")
+        if p.pp > 1:
+            raise UserError(f"task=dpo does not run on pipeline stages (parallel.pp={p.pp}); use parallel.pp=1")
+    elif cfg.data.format == "pairs" and task in ("pretrain", "sft"):
+        raise UserError(f"data.format=pairs holds preference pairs for task=dpo, not task={task}; use task=dpo")
+    if ft.name == "full":
+        if ft.adapter is not None:
+            raise UserError(f"finetune.adapter={ft.adapter} needs adapters to load into; add finetune=lora")
+        return
+    if ft.rank < 1 or ft.alpha <= 0 or not 0 <= ft.dropout < 1:
+        raise UserError(f"finetune.rank={ft.rank}, finetune.alpha={ft.alpha}, finetune.dropout={ft.dropout}: need "
+                        "rank >= 1, alpha > 0 and 0 <= dropout < 1")
+    unknown = [t for t in ft.targets if t not in LORA_TARGETS]
+    if unknown or not ft.targets:
+        raise UserError(f"finetune.targets={list(ft.targets)}: {unknown or 'empty'} not adaptable; pick from "
+                        f"{', '.join(LORA_TARGETS)}")
+    if ft.name == "qlora" and p.dp * p.tp * p.pp * p.cp > 1:
+        raise UserError(f"finetune=qlora runs in one process (NF4 base); use parallel=single, or finetune=lora for "
+                        f"{p.name}")
+    if ft.adapter is not None:
+        from speedllm.finetune.peft import read_peft_config
+
+        read_peft_config(ft.adapter, ft)
+
+
 def check_inference(cfg: DictConfig) -> None:
     """Sampling and evaluation settings of the tasks that run a trained model."""
     gen = cfg.generate
@@ -388,6 +422,7 @@ def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
     check_parallel(cfg)
     check_batch(cfg)
     check_quant(cfg)
+    check_finetune(cfg)
     if cfg.task.inference:
         check_inference(cfg)
     if cfg.task.name != "plan":

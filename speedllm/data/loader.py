@@ -117,8 +117,9 @@ class Loader:
 def build_loader(cfg, split: str, dp_rank: int, dp_size: int, micro_batch_size: int, seq_len: int, seed: int):
     """The loader of one split ("train" | "valid" | "test") for one data-parallel rank.
 
-    data.format=pretrain reads data.path (None with data=demo: the cached bundled corpus); any other
-    format reads SFT records from data.input with the tokenizer's chat template.
+    data.format=pretrain reads data.path (None with data=demo: the cached bundled corpus); pairs reads
+    preference pairs (speedllm.data.pairs); any other format reads SFT records from data.input with the
+    tokenizer's chat template.
     """
     d = cfg.data
     if d.format == "pretrain":
@@ -131,6 +132,14 @@ def build_loader(cfg, split: str, dp_rank: int, dp_size: int, micro_batch_size: 
         check_vocab(cfg, path)
         dataset = build_pretrain_dataset(path, d.split, split, seq_len, seed)
         return Loader(dataset, dp_rank, dp_size, micro_batch_size, cfg.model.vocab_size)
+    elif d.format == "pairs":
+        from speedllm.data.pairs import PairDataset, load_pairs
+
+        check_vocab(cfg)
+        tokenizer = load_tokenizer(str(d.tokenizer), d.trust_remote_code)
+        rows = load_pairs(d.input, tokenizer, seq_len, d.split, split)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        dataset = PairDataset(rows, seq_len, pad_id, seed)
     else:
         from speedllm.data.sft import SFTDataset, describe, load_sft_samples
 

@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
 from speedllm.errors import UserError
+from speedllm.finetune.lora import adapter_fn
 from speedllm.hardware import DTYPES
 from speedllm.quant import quantize_for_inference
 from speedllm.runtime import Runtime
@@ -46,6 +47,8 @@ def adopt_checkpoint_config(cfg: DictConfig) -> bool:
             print(f"model and tokenizer from {frozen}: {saved.model.name}")
         cfg.model = OmegaConf.merge(cfg.model, saved.model)
         cfg.data.tokenizer = saved.data.tokenizer
+        if OmegaConf.select(saved, "finetune.name", default="full") != "full":  # an adapter run: its adapters
+            cfg.finetune = OmegaConf.merge(cfg.finetune, saved.finetune)
     return True
 
 
@@ -78,10 +81,34 @@ def load_model(cfg: DictConfig, rt: Runtime) -> nn.Module:
 
         # No sequence parallel: a decode step has one token per row, nothing to split along the sequence.
         apply_tp(model, rt.mesh["tp"], sequence_parallel=False)
+    adapt = adapter_fn(cfg.finetune)
+    if adapt is not None:
+        adapt(model)
     model.to_empty(device=rt.device)
     model.tie_embeddings()  # to_empty() unties shared weights
-    load_weights(model, cfg)
+    if adapt is None:
+        load_weights(model, cfg)
+    else:
+        load_adapted_weights(model, cfg)
     return quantize_for_inference(model.eval(), cfg.quant)
+
+
+def load_adapted_weights(model: nn.Module, cfg) -> None:
+    """A LoRA model: the base (checkpoint.load_hf, or checkpoint.load naming full weights), then the adapters of
+    finetune.adapter (a PEFT directory) or of checkpoint.load naming an adapter run's checkpoint."""
+    from pathlib import Path
+
+    from speedllm.finetune.base import load_base
+    from speedllm.finetune.export import read_adapters
+    from speedllm.finetune.lora import copy_full_, init_adapters
+
+    init_adapters([model], cfg.seed)
+    adapters = load_base([model], cfg, Path(cfg.checkpoint.load) if cfg.checkpoint.load is not None else None)
+    if adapters is not None:
+        with torch.no_grad():
+            for name, tensor in read_adapters(adapters).items():
+                target = model.get_parameter(name)
+                copy_full_(target, tensor.to(target.dtype))
 
 
 def load_tokenizer(cfg: DictConfig):

@@ -96,8 +96,10 @@ def output_loss_for(dims: ParallelDims) -> Callable:
 
 
 def _parallelize_part(part: nn.Module, dims: ParallelDims, parallel, train, param_dtype: torch.dtype,
-                      device: torch.device, quant=None) -> None:
-    """TP/SP, EP, CP, float8/QAT, recompute, compile and FSDP2 on one model part (the model or a pipeline stage)."""
+                      device: torch.device, quant=None,
+                      adapt: Optional[Callable[[nn.Module], None]] = None) -> None:
+    """TP/SP, EP, CP, float8/QAT, adapters, recompute, compile and FSDP2 on one model part (the model or a pipeline
+    stage)."""
     expert_mesh = None
     if dims.tp > 1:
         from speedllm.parallel.tensor import apply_tp
@@ -119,6 +121,8 @@ def _parallelize_part(part: nn.Module, dims: ParallelDims, parallel, train, para
         from speedllm.quant import prepare_for_training
 
         prepare_for_training(part, quant, device)
+    if adapt is not None:
+        adapt(part)
     if train.recompute != "none":
         apply_recompute(part, train.recompute)
     if train.compile:
@@ -129,7 +133,8 @@ def _parallelize_part(part: nn.Module, dims: ParallelDims, parallel, train, para
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, parallel, train, param_dtype: torch.dtype,
-                device: torch.device, quant=None) -> ParallelModel:
+                device: torch.device, quant=None,
+                adapt: Optional[Callable[[nn.Module], None]] = None) -> ParallelModel:
     """This rank's share of `model` (still on the meta device), parallelized for its place in the mesh.
 
     Args:
@@ -138,24 +143,30 @@ def parallelize(model: nn.Module, dims: ParallelDims, parallel, train, param_dty
         train: recompute and compile settings (schema TrainConfig).
         param_dtype: compute dtype of FSDP's mixed precision.
         quant: the quant section (schema QuantConfig): float8 training or QAT wrap the linear layers.
+        adapt: applied to each part after TP/EP/CP and quantization, before recompute and FSDP2 (LoRA adapters,
+            which follow the tensor-parallel placements and are sharded by FSDP2 with their layer).
     Layout combinations that cannot be built were rejected by validation (speedllm.config.rules).
     """
     if dims.pp == 1:
-        _parallelize_part(model, dims, parallel, train, param_dtype, device, quant)
+        _parallelize_part(model, dims, parallel, train, param_dtype, device, quant, adapt)
         return ParallelModel(model, [model])
     from speedllm.parallel.pipeline import Pipeline, split_model
 
     rank_module, stages = split_model(model, parallel, dims.mesh["pp"].get_local_rank())
     for _, stage in stages:
-        _parallelize_part(stage, dims, parallel, train, param_dtype, device, quant)
+        _parallelize_part(stage, dims, parallel, train, param_dtype, device, quant, adapt)
         for name, layer in stage.layers.items():
             rank_module.layers[name] = layer  # recompute may have wrapped it
     pipeline = Pipeline(rank_module, stages, parallel, dims.mesh, device)
     return ParallelModel(rank_module, [module for _, module in stages], pipeline)
 
 
-def materialize(pm: ParallelModel, dims: ParallelDims, device: torch.device) -> None:
-    """Allocate this rank's parameters on its device and give them the single-process initial weights."""
+def materialize(pm: ParallelModel, dims: ParallelDims, device: torch.device, adapted: bool = False) -> None:
+    """Allocate this rank's parameters on its device and give them the single-process initial weights.
+
+    adapted: the parts hold parameters the plain model lacks (LoRA adapters): init_weights would draw their
+    values between the base's, so the base comes from rank 0's plain model as on every other layout.
+    """
     from torch.distributed.fsdp import FSDPModule
 
     from speedllm.parallel.tensor import shard_embedding_grad
@@ -168,7 +179,7 @@ def materialize(pm: ParallelModel, dims: ParallelDims, device: torch.device) -> 
             shard_embedding_grad(part)
     if pm.pipeline is not None:
         pm.pipeline.retie()
-    if dims.mesh is None and device.type == "cpu":
+    if dims.mesh is None and device.type == "cpu" and not adapted:
         with torch.no_grad():
             pm.module.init_weights()
     else:  # initialized in host memory (the same RNG stream on every layout and device), then placed

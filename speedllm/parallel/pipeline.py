@@ -193,7 +193,8 @@ class Pipeline:
     def _sum_tied_grads(self) -> None:
         """Sum the gradients of the first stage's embedding and the last stage's head (over the pipeline)."""
         m = self.rank_module
-        weights = [module.weight for module in (m.embed_tokens, m.lm_head) if module is not None]
+        weights = [module.weight for module in (m.embed_tokens, m.lm_head)
+                   if module is not None and module.weight.requires_grad]  # LoRA freezes them
         weights = list({id(w): w for w in weights}.values())  # the last stage's tie is one tensor
         if not weights:
             return

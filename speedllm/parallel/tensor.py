@@ -120,7 +120,7 @@ def shard_embedding_grad(model: nn.Module) -> None:
 
     Call after the parameters are materialized (hooks live on the parameter objects).
     """
-    if model.embed_tokens is not None:
+    if model.embed_tokens is not None and model.embed_tokens.weight.requires_grad:  # LoRA freezes it
         model.embed_tokens.weight.register_post_accumulate_grad_hook(_shard_grad_like_param)
 
 

@@ -107,6 +107,14 @@ def run(cfg: DictConfig, rt) -> None:
         quantized, plain = inference_weight_bytes(cfg.model, cfg.quant, cfg.hardware.dtype)
         print(f"inference weights with quant={cfg.quant.name}: {quantized / GIB:.2f} GiB "
               f"({quantized / plain:.2f}x of {plain / GIB:.2f} GiB in {cfg.hardware.dtype})")
+    if cfg.finetune.name != "full":
+        from speedllm.finetune.base import base_bytes
+        from speedllm.planner.memory import GIB
+
+        facts = base_bytes(cfg.model, cfg.finetune)
+        print(f"finetune={cfg.finetune.name}: frozen base {facts['base_params'] / 1e6:,.1f}M params at "
+              f"{facts['base_bytes'] / facts['base_params']:.3f} bytes/param ({facts['base_bytes'] / GIB:.2f} GiB), "
+              f"adapters {facts['adapter_params'] / 1e6:,.2f}M params trained (the table costs full training)")
     if note is not None:
         print(note)
     if result.best is None:

@@ -25,6 +25,7 @@ from torch import nn
 
 from speedllm.checkpoint.dcp import latest_checkpoint, load_checkpoint, resolve_load, save_checkpoint
 from speedllm.checkpoint.hf import load_hf_weights
+from speedllm.finetune.lora import adapter_fn, init_adapters
 from speedllm.hardware import DTYPES
 from speedllm.ops import IGNORE_INDEX
 from speedllm.parallel import ParallelModel, clip_grad_norm, materialize, output_loss_for, parallelize
@@ -49,8 +50,11 @@ def build_model(cfg, rt: Runtime) -> ParallelModel:
     with torch.device("meta"):
         model = Qwen3(cfg.model, ops=cfg.hardware.ops, output_loss=output_loss_for(dims),
                       loss_chunk_size=cfg.train.loss_chunk_size)
-    pm = parallelize(model, dims, cfg.parallel, cfg.train, DTYPES[cfg.hardware.dtype], rt.device, cfg.quant)
-    materialize(pm, dims, rt.device)
+    adapt = adapter_fn(cfg.finetune)
+    pm = parallelize(model, dims, cfg.parallel, cfg.train, DTYPES[cfg.hardware.dtype], rt.device, cfg.quant, adapt)
+    materialize(pm, dims, rt.device, adapted=adapt is not None)
+    if adapt is not None:  # the same adapters on every layout, B = 0
+        init_adapters(pm.parts, cfg.seed)
     return pm
 
 
@@ -172,6 +176,29 @@ def load_request(cfg):
     return cfg.checkpoint.load
 
 
+def restore(cfg, rt: Runtime, pm: ParallelModel, optimizer, scheduler, loader) -> tuple:
+    """Load what the run starts from: a checkpoint to resume (model, optimizer, scheduler, loader position, RNG),
+    else HF weights (checkpoint.load_hf); under adapters the frozen base first. Returns (step, checkpoint | None)."""
+    step, ck = 0, cfg.checkpoint
+    resume_from = resolve_load(load_request(cfg), ck.dir)
+    if cfg.finetune.name != "full":  # the frozen base under the adapters; the adapters resume below
+        from speedllm.finetune.base import load_base
+
+        resume_from = load_base(pm.parts, cfg, resume_from)
+    if resume_from is not None:
+        check_resumable(resume_from, cfg.optim)
+        extra = load_checkpoint(resume_from, pm.module, optimizer)
+        step = extra["step"]
+        scheduler.load_state_dict(extra["scheduler"])
+        loader.load_state_dict(extra["loader"])
+        set_rng_state(extra["rng"], rt.device)
+        if rt.is_main:
+            print(f"resumed from {resume_from} at step {step}")
+    elif ck.load_hf is not None and cfg.finetune.name == "full":  # fine-tune from HF weights (a resume first)
+        load_hf_weights(pm.parts, ck.load_hf)
+    return step, resume_from
+
+
 def run(cfg, rt: Runtime) -> None:
     """Train (task=pretrain) or fine-tune (task=sft) per cfg; checkpoints, metrics and samples go to the run dir."""
     from speedllm.data.loader import build_loader
@@ -186,19 +213,7 @@ def run(cfg, rt: Runtime) -> None:
     loader = build_loader(cfg, "train", dp_rank, dp_size, t.micro_batch_size, t.seq_len, cfg.seed)
     autocast = autocast_for(cfg, pm, rt.device)
 
-    step = 0
-    resume_from = resolve_load(load_request(cfg), ck.dir)
-    if resume_from is not None:
-        check_resumable(resume_from, cfg.optim)
-        extra = load_checkpoint(resume_from, pm.module, optimizer)
-        step = extra["step"]
-        scheduler.load_state_dict(extra["scheduler"])
-        loader.load_state_dict(extra["loader"])
-        set_rng_state(extra["rng"], rt.device)
-        if rt.is_main:
-            print(f"resumed from {resume_from} at step {step}")
-    elif ck.load_hf is not None:  # fine-tune from Hugging Face weights (a resume takes precedence)
-        load_hf_weights(pm.parts, ck.load_hf)
+    step, resume_from = restore(cfg, rt, pm, optimizer, scheduler, loader)
 
     def checkpoint() -> None:
         extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),

@@ -1,0 +1,118 @@
+"""The frozen base of an adapter run: where it comes from, loading it, and holding it in 4-bit (QLoRA).
+
+The base is an HF directory (checkpoint.load_hf) or a DCP checkpoint without adapters (checkpoint.load naming
+a full-weights checkpoint, e.g. one task=convert convert.to=dcp wrote). An adapter run's own checkpoints hold
+only the adapters (and their optimizer state); resuming one finds its base through the frozen config.yaml
+saved with it, following earlier resumes back to the run that named the base.
+"""
+
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from speedllm.checkpoint.dcp import dcp_load, read_metadata, read_saved_config, resolve_load
+from speedllm.errors import UserError
+from speedllm.finetune.lora import is_adapter, target_linears
+
+
+def holds_adapters(ckpt: Path) -> bool:
+    """True when a DCP checkpoint's model is LoRA adapters only (an adapter run's checkpoint)."""
+    keys = read_metadata(ckpt).state_dict_metadata
+    return any(key.startswith("model.") and is_adapter(key) for key in keys)
+
+
+def base_source(ckpt: Path) -> Tuple[str, str]:
+    """("hf", dir) or ("dcp", checkpoint) of the base an adapter checkpoint was trained on."""
+    seen = set()
+    while ckpt not in seen:
+        seen.add(ckpt)
+        saved = read_saved_config(ckpt)
+        load_hf, load = OmegaConf.select(saved, "checkpoint.load_hf"), OmegaConf.select(saved, "checkpoint.load")
+        if load_hf is not None:
+            return "hf", load_hf
+        if load is None or load == "auto":
+            break
+        previous = resolve_load(load, saved.checkpoint.dir)
+        if not holds_adapters(previous):
+            return "dcp", str(previous)
+        ckpt = previous
+    raise UserError(f"checkpoint.load={ckpt}: its config.yaml names no base model (checkpoint.load_hf); set "
+                    "checkpoint.load_hf=<HF dir> to the base the adapters were trained on")
+
+
+@torch.no_grad()
+def load_dcp_base(modules: List[nn.Module], ckpt: Path) -> None:
+    """The base weights (every non-adapter tensor) of a DCP checkpoint into this rank's model parts."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    for module in modules:
+        state = {k: v for k, v in get_model_state_dict(module).items() if not is_adapter(k)}
+        dcp_load({"model": state}, ckpt)
+        set_model_state_dict(module, state, options=StateDictOptions(strict=False))
+
+
+# torchao's NF4 (to_nf4 defaults): a 4-bit code per weight, an int8 scaler per block of 64 weights, an fp32
+# factor per 256 scalers (double quantization), and one fp32 scaler mean per tensor
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
+NF4_BYTES = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_SCALER_BLOCK)
+
+
+def base_bytes(model_cfg, ft) -> dict:
+    """Parameter counts and bytes of an adapter run's model, from the meta model: the frozen base (NF4 for the
+    adapted projections under QLoRA, fp32 otherwise) and the trained adapters (fp32)."""
+    from speedllm.finetune.lora import apply_lora
+    from speedllm.models.qwen3 import Qwen3
+
+    with torch.device("meta"):
+        model = Qwen3(model_cfg)
+    adapted = apply_lora(model, ft.rank, ft.alpha, ft.dropout, ft.targets)
+    quantized = [model.get_submodule(name).weight.numel() for name in adapted] if ft.name == "qlora" else []
+    params = {id(p): p for p in model.parameters()}.values()  # tied weights once
+    base = sum(p.numel() for p in params if not p.requires_grad)
+    adapters = sum(p.numel() for p in params if p.requires_grad)
+    nf4_bytes = sum(quantized) * NF4_BYTES + 4 * len(quantized)
+    return {"base_params": base, "base_bytes": (base - sum(quantized)) * 4 + nf4_bytes,
+            "adapter_params": adapters}
+
+
+def quantize_base(modules: List[nn.Module], targets) -> None:
+    """QLoRA: the adapted projections' frozen weights become NF4 (torchao), 4 bits per weight + block scales."""
+    from torchao.quantization import to_nf4
+
+    for module in modules:
+        for name, linear in target_linears(module, targets).items():
+            if linear.weight.numel() % (NF4_BLOCK * NF4_SCALER_BLOCK):
+                raise UserError(f"finetune=qlora: {name}.weight has {linear.weight.numel()} weights, but NF4 needs a "
+                                f"multiple of {NF4_BLOCK * NF4_SCALER_BLOCK}; use finetune=lora for this model")
+            linear.weight = nn.Parameter(to_nf4(linear.weight.detach()), requires_grad=False)
+
+
+def load_base(modules: List[nn.Module], cfg, resume_from: Optional[Path]) -> Optional[Path]:
+    """Fill the frozen base of an adapter model, start the adapters from finetune.adapter when given, and
+    quantize the base for QLoRA. Returns the adapter checkpoint to resume from (None: a fresh start)."""
+    from speedllm.checkpoint.hf import load_hf_weights
+
+    ck, ft = cfg.checkpoint, cfg.finetune
+    base = None
+    if resume_from is not None and not holds_adapters(resume_from):
+        base, resume_from = ("dcp", str(resume_from)), None  # checkpoint.load named full weights: the base
+    if ck.load_hf is not None:
+        base = ("hf", ck.load_hf)
+    elif base is None and resume_from is not None:
+        base = base_source(resume_from)
+    if base is not None:
+        kind, path = base
+        if kind == "hf":
+            load_hf_weights(modules, path)
+        else:
+            load_dcp_base(modules, Path(path))
+    if resume_from is None and ft.adapter is not None:
+        from speedllm.finetune.peft import load_peft_adapter
+
+        load_peft_adapter(modules, ft.adapter, ft)
+    if ft.name == "qlora":
+        quantize_base(modules, ft.targets)
+    return resume_from

@@ -1,0 +1,133 @@
+"""task=dpo: direct preference optimization (Rafailov et al., 2023) on preference pairs.
+
+Per pair, with log-probabilities summed over the reply tokens (the labels of speedllm.data.pairs), the policy
+π and the frozen reference π_ref:
+    reward(side) = β (log π(side) − log π_ref(side))            side ∈ {chosen, rejected}
+    loss         = −log σ(reward(chosen) − reward(rejected)), averaged over the pairs of the global batch
+and the logged reward accuracy is the share of pairs whose chosen reward is the larger. With adapters
+(finetune=lora|qlora) the reference is the same model with its adapters disabled; with finetune=full it is a
+second, frozen model holding the starting weights. Like the training loop, each data-parallel rank divides its
+sum by the global count and the gradient reduction sums. Runs without pipeline stages (parallel.pp=1).
+
+Letters: B pairs per micro-batch, R = 2B rows (chosen, rejected interleaved), S sequence.
+"""
+
+import contextlib
+import math
+import time
+import warnings
+from typing import List
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from speedllm.checkpoint.dcp import save_checkpoint
+from speedllm.checkpoint.hf import load_hf_weights
+from speedllm.finetune.lora import adapters_disabled
+from speedllm.parallel import clip_grad_norm
+from speedllm.runtime import Runtime, seed_everything
+from speedllm.train.loop import autocast_for, build_model, grad_accum_steps, restore, rng_state, to_device
+from speedllm.train.metrics import MetricsLogger
+from speedllm.train.optimizer import build_optimizer
+from speedllm.train.schedule import build_scheduler
+
+
+def reply_logps(model: nn.Module, tokens_RS: torch.Tensor, labels_RS: torch.Tensor) -> tuple:
+    """(log-probability of each row's labelled tokens [R], summed MoE aux loss), one row per forward so the
+    model's chunked loss gives per-row sums without materializing logits."""
+    rows, aux_total = [], 0.0
+    for tokens, labels in zip(tokens_RS.split(1), labels_RS.split(1)):
+        ce_sum, aux = model(tokens, labels=labels)
+        rows.append(-ce_sum)
+        aux_total = aux_total + aux
+    return torch.stack(rows), aux_total
+
+
+def dpo_losses(policy_R: torch.Tensor, reference_R: torch.Tensor, beta: float) -> tuple:
+    """(per-pair losses [B], chosen rewards [B], rejected rewards [B]) from per-row log-probs (chosen first)."""
+    rewards = beta * (policy_R - reference_R).view(-1, 2)
+    chosen, rejected = rewards[:, 0], rewards[:, 1]
+    return -F.logsigmoid(chosen - rejected), chosen.detach(), rejected.detach()
+
+
+def dpo_step(pm, reference, optimizer, scheduler, micro_batches: List[dict], cfg, dp_size, group,
+             autocast) -> dict:
+    """One optimizer step over this rank's micro-batches of pairs; returns the step's metrics (all ranks).
+
+    pm: the policy (a ParallelModel without pipeline stages); reference: the frozen reference model, or None
+    for the policy with its adapters disabled.
+    """
+    model = pm.module
+    num_micro = len(micro_batches)
+    device = micro_batches[0]["tokens"].device
+    num_pairs = torch.tensor(float(sum(mb["tokens"].shape[0] for mb in micro_batches)), device=device)
+    if group is not None:
+        dist.all_reduce(num_pairs, group=group)
+    totals = torch.zeros(4, device=device)  # loss sum, chosen reward sum, rejected reward sum, correct
+    for mb in micro_batches:
+        tokens, labels = mb["tokens"].flatten(0, 1), mb["labels"].flatten(0, 1)  # [B, 2, S] -> [R, S]
+        with torch.no_grad(), autocast:
+            with adapters_disabled() if reference is None else contextlib.nullcontext():
+                reference_R, _ = reply_logps(model if reference is None else reference, tokens, labels)
+        with autocast:
+            policy_R, aux = reply_logps(model, tokens, labels)
+        losses, chosen, rejected = dpo_losses(policy_R.float(), reference_R.float(), cfg.dpo.beta)
+        (losses.sum() / num_pairs + aux / (tokens.shape[0] * num_micro * dp_size)).backward()
+        totals += torch.stack([losses.detach().sum(), chosen.sum(), rejected.sum(), (chosen > rejected).sum()])
+    if group is not None:
+        dist.all_reduce(totals, group=group)
+    loss, chosen, rejected, correct = (totals / num_pairs).tolist()
+    grad_norm = clip_grad_norm(pm, cfg.train.grad_clip)
+    ok = math.isfinite(loss) and bool(torch.isfinite(grad_norm))
+    if ok:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
+        scheduler.step()
+    return {"loss": loss, "reward_chosen": chosen, "reward_rejected": rejected, "reward_margin": chosen - rejected,
+            "reward_accuracy": correct, "grad_norm": grad_norm.item()}
+
+
+def run(cfg, rt: Runtime) -> None:
+    """task=dpo: train the policy on data.format=pairs; metrics, checkpoints (as task=sft) go to the run dir."""
+    from speedllm.data.loader import build_loader
+
+    t, ck = cfg.train, cfg.checkpoint
+    dp_rank, dp_size, group = rt.dims.coords("dp")
+    accum = grad_accum_steps(t, dp_size)
+    reference = None
+    if cfg.finetune.name == "full":  # the starting weights, frozen: built and loaded like the policy
+        seed_everything(cfg.seed)
+        reference = build_model(cfg, rt).module
+        if ck.load_hf is not None:
+            load_hf_weights(reference, ck.load_hf)
+        reference.requires_grad_(False)
+    seed_everything(cfg.seed)
+    pm = build_model(cfg, rt)
+    optimizer = build_optimizer(pm.module, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, t.steps)
+    loader = build_loader(cfg, "train", dp_rank, dp_size, t.micro_batch_size, t.seq_len, cfg.seed)
+    autocast = autocast_for(cfg, pm, rt.device)
+    step, _ = restore(cfg, rt, pm, optimizer, scheduler, loader)
+    logger = MetricsLogger(cfg.run_dir, t.steps, step, rt.is_main, cfg.logging.tensorboard, cfg.logging.progress_bar)
+    stop_at = min(t.steps, step + t.stop_after) if t.stop_after > 0 else t.steps
+    try:
+        while step < stop_at:
+            start = time.perf_counter()
+            lr = scheduler.get_last_lr()[0]
+            micro_batches = [to_device(next(loader), rt.device) for _ in range(accum)]
+            metrics = dpo_step(pm, reference, optimizer, scheduler, micro_batches, cfg, dp_size, group, autocast)
+            step += 1
+            logger.advance(step)
+            if step % t.log_every == 0 or step == stop_at:
+                pairs_per_s = t.global_batch_size / (time.perf_counter() - start)
+                logger.log(step, {**metrics, "lr": lr, "pairs_per_s": pairs_per_s})
+            if (ck.every > 0 and step % ck.every == 0) or (step == stop_at and ck.save_final):
+                extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
+                         "rng": rng_state(rt.device)}
+                save_checkpoint(ck.dir, step, pm.module, optimizer, extra, cfg, ck.keep)
+    finally:
+        logger.close()
