@@ -14,12 +14,12 @@ LAYOUTS = {"fsdp2": ["parallel=fsdp2"], "tp2": ["parallel=tp2"], "pp2": ["parall
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, launch_argv):
     root = tmp_path_factory.mktemp("lora_parallel")
     jobs = {root / "single": [*DENSE, *LORA, "parallel=single", "train.stop_after=5"]}
     for name, parallel in LAYOUTS.items():
         jobs[root / name] = [*DENSE, *LORA, *parallel, "train.stop_after=5"]
-    run_all(jobs)
+    run_all(jobs, launch_argv)
     return root
 
 

@@ -19,7 +19,7 @@ import shutil
 from contextlib import ExitStack, contextmanager
 from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple, get_origin
 
 import torch
 from torch import nn
@@ -79,9 +79,13 @@ def hf_model_fields(path: str) -> dict:
     fields_ = {key: found.get(key, defaults[key]) for key in ARCH_FIELDS + OTHER_FIELDS}
     from speedllm.config.schema import ModelConfig
 
-    kinds = {f.name: f.type if f.type in (int, float, bool) else list for f in fields(ModelConfig)}
+    # plain fields and lists are checked here; rope_scaling (a dict or None) by speedllm.models.rope
+    kinds = {f.name: f.type if f.type in (int, float, bool) else list for f in fields(ModelConfig)
+             if f.type in (int, float, bool) or get_origin(f.type) is list}
     for key, value in fields_.items():
-        want = kinds[key]
+        want = kinds.get(key)
+        if want is None:
+            continue
         fits = isinstance(value, (int, float) if want is float else want) and (
             want is bool or not isinstance(value, bool))
         if not fits:
