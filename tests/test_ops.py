@@ -103,7 +103,7 @@ def test_cross_entropy_is_sum_ignoring_minus_100(impl, device):
     check(lambda logits: get_ops(impl).cross_entropy(logits, labels), expected, [rand(6, 10, device=device)], 1e-5)
 
 
-@pytest.mark.parametrize("chunk_size", [1, 5, 64])
+@pytest.mark.parametrize("chunk_size", [1, 5, 64, 0])
 def test_chunked_loss_equals_full_logits(chunk_size):
     hidden, weight = rand(23, 16), rand(50, 16)
     labels = torch.randint(0, 50, (23,))
@@ -117,9 +117,8 @@ def test_chunked_loss_equals_full_logits(chunk_size):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_chunked_loss_is_right_whatever_the_reused_buffer_held_before(device):
-    """The CPU logits buffer is shared by every call: calls of other shapes and dtypes in between change nothing.
-    (On a GPU this checks the in-place log-softmax against torch's out-of-place one.)"""
+def test_chunked_loss_in_place_log_softmax_over_shapes_and_dtypes(device):
+    """Calls of several shapes and dtypes in a row, each against torch's out-of-place cross-entropy."""
     labels = torch.randint(0, 50, (23,), device=device)
     labels[[2, 7, 8]] = -100
     for vocab, dtype, chunk_size in [(50, torch.float32, 64), (4096, torch.float32, 5), (50, torch.bfloat16, 7),
@@ -135,6 +134,20 @@ def test_chunked_loss_is_right_whatever_the_reused_buffer_held_before(device):
         assert abs(loss.item() - expected.item()) <= tol * max(1.0, abs(expected.item()))
         torch.testing.assert_close(hidden.grad.float(), h.grad, atol=tol, rtol=tol)
         torch.testing.assert_close(weight.grad.float(), w.grad, atol=tol, rtol=tol)
+
+
+def test_chunk_size_0_is_one_chunk_within_the_logits_budget(monkeypatch):
+    from speedllm.ops import loss
+
+    assert loss.chunk_rows(0, 1024, 32000) == 1024  # 125 MiB of logits: one fused cross-entropy
+    assert loss.chunk_rows(0, 1024, 151936) * 151936 * 4 <= loss.LOGITS_BUDGET_BYTES < 1024 * 151936 * 4
+    assert loss.chunk_rows(7, 1024, 151936) == 7  # an explicit size wins
+    monkeypatch.setattr(loss, "LOGITS_BUDGET_BYTES", 50 * 4 * 5)  # 5 rows of a 50-entry vocabulary
+    assert loss.chunk_rows(0, 23, 50) == 5
+    hidden, weight = rand(23, 16), rand(50, 16)
+    labels = torch.randint(0, 50, (23,))
+    full = lambda h, w: F.cross_entropy(h @ w.t(), labels, ignore_index=-100, reduction="sum")  # noqa: E731
+    check(lambda h, w: chunked_cross_entropy(h, w, labels, 0, reference.cross_entropy), full, [hidden, weight], 1e-4)
 
 
 def test_chunked_loss_keeps_no_full_logits():

@@ -126,7 +126,9 @@ class TrainConfig:
     compile: bool = False
     max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
     stop_after: int = 0  # stop (with a checkpoint) after this many steps in this process; 0: run to train.steps
-    loss_chunk_size: int = 1024  # tokens per chunk of the output projection + cross-entropy
+    # tokens per chunk of the output projection + cross-entropy; 0: one chunk if the fp32 logits fit 128 MiB,
+    # else chunks that fit it (speedllm.ops.loss.chunk_rows)
+    loss_chunk_size: int = 0
 
 
 @dataclass

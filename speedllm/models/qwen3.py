@@ -111,7 +111,7 @@ class Qwen3(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.ops = get_ops(ops)
-        self.loss_chunk_size = 1024
+        self.loss_chunk_size = 0  # speedllm.ops.loss.chunk_rows: one chunk if the logits fit its budget
         # (hidden_ND, weight_VD, labels_N, chunk_size, cross_entropy) -> ce_sum; tensor parallelism swaps in a
         # vocabulary-parallel version (speedllm.parallel.tensor) without touching this file.
         self.output_loss = chunked_cross_entropy

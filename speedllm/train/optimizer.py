@@ -46,10 +46,21 @@ def _split_by_mesh(groups: list) -> list:
     return split
 
 
+def fused_adamw(device_type: str) -> bool:
+    """Whether AdamW runs torch's fused kernel on this device type (else the foreach path).
+
+    Fused: one pass over each parameter, its gradient and moments, no temporaries (DTensor parameters too).
+    Foreach makes ~10 passes and intermediate tensors: on the 2-core CPU box it took 0.25 s a step for 42M
+    parameters against 0.06 s fused (~6% of a training step). Other devices (torch_npu) keep foreach.
+    """
+    return device_type in ("cpu", "cuda")
+
+
 def build_optimizer(model: nn.Module, optim: DictConfig) -> torch.optim.Optimizer:
     """AdamW from the `optim` config group (lr is the peak; the scheduler scales it per step)."""
     if optim.name != "adamw":
         raise UserError(f"optim.name={optim.name!r} is not supported; use optim.name=adamw")
     groups = param_groups(model, optim.weight_decay, optim.decay_embeddings)
-    # foreach is the fast multi-tensor path; it also works with DTensor parameters (FSDP2 / TP).
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, foreach=True)
+    fused = fused_adamw(next(model.parameters()).device.type)
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, fused=fused,
+                             foreach=not fused)
