@@ -69,17 +69,18 @@ def hf_model(config: str):
     return Qwen3ForCausalLM(hf_config(model_cfg(config)))
 
 
-def torchtitan_model(config: str, hf_sd: dict):
-    """torchtitan's Qwen3 for our config (its shipped builder, SDPA attention), holding transformers' weights."""
+def torchtitan_model(cfg, hf_sd: dict, max_seq_len: int):
+    """torchtitan's Qwen3 for our model config `cfg` (its shipped layer builder; SDPA attention, which its
+    language models otherwise reserve for other uses), holding the weights of the HF state dict `hf_sd`.
+    Built on the current default device."""
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.qwen3 import Qwen3Model, Qwen3StateDictAdapter, _build_qwen3_layers, _qwen3_norm
 
-    cfg = model_cfg(config)
     layers = _build_qwen3_layers(
         n_layers=cfg.num_hidden_layers, dim=cfg.hidden_size, n_heads=cfg.num_attention_heads,
         n_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, hidden_dim=cfg.intermediate_size,
-        attn_backend="flex", rope=CosSinRoPE.Config(dim=cfg.head_dim, max_seq_len=SEQ, theta=cfg.rope_theta))
+        attn_backend="flex", rope=CosSinRoPE.Config(dim=cfg.head_dim, max_seq_len=max_seq_len, theta=cfg.rope_theta))
     for layer in layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     config_tt = Qwen3Model.Config(
@@ -122,7 +123,7 @@ def build(name: str, config: str, hf=None):
         from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
         from torchtitan.distributed.utils import clip_grad_norm_
 
-        model = torchtitan_model(config, hf.state_dict()).train()
+        model = torchtitan_model(model_cfg(config), hf.state_dict(), SEQ).train()
         # torchtitan's default: fused AdamW, one group, decay on everything
         optimizer = torch.optim.AdamW(model.parameters(), lr=OPTIM.lr, betas=tuple(OPTIM.betas), eps=OPTIM.eps,
                                       weight_decay=OPTIM.weight_decay, fused=True)
@@ -258,41 +259,45 @@ def print_training(config: str, result: dict, compile_: bool) -> None:
         print(line)
 
 
-def bench_decode(new_tokens: int, repeats: int) -> list:
-    """Greedy decode tokens/s, ours vs transformers' static-cache generate, same weights and token ids."""
+def decode_speed(ours, hf, prompt, new_tokens: int, repeats: int, dtype, clock=time.perf_counter) -> tuple:
+    """Greedy decode tokens/s of our engine and of transformers' static-cache `generate` on the same weights,
+    alternating; each the median over `repeats`, the prefill (a 1-token generation) subtracted out.
+    Returns ({"ours": tokens/s, "transformers": tokens/s}, whether both generated the same ids)."""
     from speedllm.infer.engine import generate_ids
     from speedllm.infer.sampling import Sampling
 
-    config = "vocab_32k"
-    cfg = model_cfg(config)
-    hf = hf_model(config).eval()
-    ours = Qwen3(cfg).eval()
-    ours.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg))
-
-    def run_hf(prompt, n):
+    def run_hf(n):
         with torch.inference_mode():
             out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
                               do_sample=False, pad_token_id=0, eos_token_id=None, cache_implementation="static")
         return out[:, prompt.shape[1]:].tolist()
 
-    def run_ours(prompt, n):
-        return generate_ids(ours, prompt.tolist(), n, Sampling(), [], 0, torch.float32)
+    def run_ours(n):
+        return generate_ids(ours, prompt.tolist(), n, Sampling(), [], 0, dtype)
 
     runners = {"transformers": run_hf, "ours": run_ours}
-    rows = []
+    ids = {name: fn(new_tokens) for name, fn in runners.items()}  # warm-up (static cache, kernels)
+    times = {name: ([], []) for name in runners}
+    for _ in range(repeats):
+        for name, fn in runners.items():
+            times[name][0].append(timed(lambda: fn(new_tokens), clock))
+            times[name][1].append(timed(lambda: fn(1), clock))
+    speed = {name: prompt.shape[0] * (new_tokens - 1) / (statistics.median(full) - statistics.median(first))
+             for name, (full, first) in times.items()}
+    return speed, ids["ours"] == ids["transformers"]
+
+
+def bench_decode(new_tokens: int, repeats: int, clock) -> list:
+    """Decode at batch 1 and 8 on the vocab_32k model, fp32: [(batch, tokens/s by system, same ids)]."""
+    cfg = model_cfg("vocab_32k")
+    hf = hf_model("vocab_32k").eval()
+    ours = Qwen3(cfg).eval()
+    ours.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg))
     gen = torch.Generator().manual_seed(1)
+    rows = []
     for batch_size in (1, 8):
         prompt = torch.randint(0, cfg.vocab_size, (batch_size, 16), generator=gen)
-        ids = {name: fn(prompt, new_tokens) for name, fn in runners.items()}  # warm-up, and the same ids?
-        times = {name: ([], []) for name in runners}
-        for _ in range(repeats):
-            for name, fn in runners.items():
-                times[name][0].append(timed(lambda: fn(prompt, new_tokens)))
-                times[name][1].append(timed(lambda: fn(prompt, 1)))
-        # decode tokens/s: the prefill (a 1-token generation) subtracted out
-        decode = {name: batch_size * (new_tokens - 1) / (statistics.median(full) - statistics.median(first))
-                  for name, (full, first) in times.items()}
-        rows.append((batch_size, decode, ids["ours"] == ids["transformers"]))
+        rows.append((batch_size, *decode_speed(ours, hf, prompt, new_tokens, repeats, torch.float32, clock)))
     return rows
 
 
@@ -330,7 +335,7 @@ def main() -> None:
     if args.decode:
         print(f"\ndecode (vocab_32k, fp32, greedy, {args.new_tokens} new tokens, median of 3, prefill subtracted)")
         print("| batch | transformers static cache tokens/s | ours tokens/s | ratio | same ids |\n|---|---|---|---|---|")
-        for batch_size, decode, same in bench_decode(args.new_tokens, 3):
+        for batch_size, decode, same in bench_decode(args.new_tokens, 3, clock):
             print(f"| {batch_size} | {decode['transformers']:.1f} | {decode['ours']:.1f} | "
                   f"x{decode['ours'] / decode['transformers']:.2f} | {same} |")
     with open("/proc/loadavg") as f:
