@@ -57,7 +57,7 @@ def worker(rank: int, ranks: int, port: int, args, results) -> None:
 
     cfg = config(args, ranks)
     rt = init_runtime(cfg) if ranks > 1 else Runtime()
-    model = build_model(cfg, rt)
+    model = build_model(cfg, rt).module
     optimizer = build_optimizer(model, cfg.optim)
     tokens = torch.randint(0, cfg.model.vocab_size, (args.batch, args.seq_len + 1),
                            generator=torch.Generator().manual_seed(rank))

@@ -14,24 +14,12 @@ from pathlib import Path
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from speedllm.config.schema import register_configs
-from speedllm.config.validate import IN_PROCESS_TASKS, validate
+from speedllm.config.schema import register_configs, typed
+from speedllm.config.validate import validate
 from speedllm.errors import UserError
 from speedllm.hardware import detect, load_profile
 from speedllm.runtime import Runtime, init_runtime
 
-# task name -> "module:function"; every task is `run(cfg, rt)`.
-TASKS = {
-    "pretrain": "speedllm.train.loop:run",
-    "sft": "speedllm.train.loop:run",
-    "generate": "speedllm.infer.generate:run",
-    "chat": "speedllm.infer.chat:run",
-    "evaluate": "speedllm.infer.evaluate:run",
-    "preprocess": "speedllm.data.preprocess:run",
-    "convert": "speedllm.checkpoint.convert:run",
-    "plan": "speedllm.planner.plan:run",
-    "doctor": "speedllm.doctor:run",
-}
 FROZEN_NAME = "config.yaml"
 
 
@@ -105,9 +93,12 @@ def write_frozen(cfg: DictConfig, run_dir: Path) -> Path:
     return path
 
 
-def run_task(cfg: DictConfig, rt: Runtime) -> None:
-    module, _, name = TASKS[cfg.task.name].partition(":")
-    getattr(importlib.import_module(module), name)(cfg, rt)
+def run_task(cfg, rt: Runtime) -> None:
+    """Call the task's `_target_` (conf/task/<name>.yaml) with the run as typed objects."""
+    from hydra.utils import get_method
+
+    cfg = typed(cfg)
+    get_method(cfg.task._target_)(cfg, rt)
 
 
 def _spawn(cfg: DictConfig, frozen: Path, nproc: int) -> None:
@@ -151,12 +142,18 @@ def freeze_and_run(cfg: DictConfig) -> None:
         resolve_nodes(cfg)
     world, nproc = resolve_layout(cfg)
     validate(cfg, world, nproc)
+    if cfg.task.inference:
+        from speedllm.infer.load import adopt_checkpoint_config
+
+        # before freezing, so config.yaml is the model that runs; the adopted model is validated too
+        if adopt_checkpoint_config(cfg):
+            validate(cfg, world, nproc)
     cfg.run_dir = str(Path(cfg.run_dir).absolute())
     if under_torchrun():
         return _run_under_torchrun(cfg)
     OmegaConf.resolve(cfg)
     frozen = write_frozen(cfg, Path(cfg.run_dir))
-    if world == 1 or cfg.task.name in IN_PROCESS_TASKS:
+    if world == 1 or cfg.task.in_process:
         # planning targets devices this machine may lack: it gets a plain CPU runtime
         run_task(cfg, Runtime() if cfg.task.name == "plan" else init_runtime(cfg, distributed=False))
     else:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from speedllm.parallel.mesh import build_mesh, world_size_of
+from speedllm.parallel.mesh import ParallelDims, build_mesh
 
 
 @dataclass
@@ -21,10 +21,15 @@ class Runtime:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     mesh: Optional["dist.DeviceMesh"] = None
+    ep: int = 1  # expert parallel degree (carved out of the mesh's dp x cp axes)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(self.mesh, self.ep)
 
 
 def seed_everything(seed: int) -> None:
@@ -73,9 +78,10 @@ def init_runtime(cfg: DictConfig, distributed: bool = True) -> Runtime:
             store = _attempt_store(rank, world_size, timeout)
             dist.init_process_group(cfg.hardware.backend, timeout=timeout, store=store, rank=rank,
                                     world_size=world_size, device_id=device if device.type != "cpu" else None)
-        mesh = build_mesh(cfg, device.type)
+        mesh = build_mesh(cfg.parallel, device.type)
     seed_everything(cfg.seed)
-    return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mesh=mesh)
+    return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mesh=mesh,
+                   ep=cfg.parallel.ep if mesh is not None else 1)
 
 
-__all__ = ["Runtime", "init_runtime", "seed_everything", "world_size_of"]
+__all__ = ["Runtime", "init_runtime", "seed_everything"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
-from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+from transformers import AutoConfig, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     RepetitionPenaltyLogitsProcessor,
@@ -208,6 +208,14 @@ def test_generate_task_from_hf_dir_matches_transformers_then_tp2_matches_single(
         assert row["completion"] == tok.decode(row["completion_ids"], skip_special_tokens=True)
         assert f"{row['prompt']}{row['completion']}" in out
 
+    # the frozen config is the model that ran: the architecture of the HF directory, as transformers reads it
+    frozen = OmegaConf.load(tmp_path / "run" / "config.yaml").model
+    hf_config = AutoConfig.from_pretrained(path)
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings"):
+        assert frozen[key] == getattr(hf_config, key), key
+    assert frozen.rope_theta == hf_config.rope_parameters["rope_theta"]
+
     code, out, err = launch(*common, "parallel=tp2", f"generate.output={tmp_path}/tp2.jsonl", cwd=tmp_path)
     assert code == 0, err
     assert read_rows(tmp_path / "tp2.jsonl") == rows
@@ -231,6 +239,8 @@ def test_generate_task_from_dcp_checkpoint_streams_one_prompt(hf_dir, tmp_path):
     (row,) = read_rows(tmp_path / "out.jsonl")
     assert [{k: row[k] for k in ("prompt", "completion_ids")}] == expected_rows(hf, tok, 10)[:1]
     assert f"{PROMPTS[0]}{row['completion']}\n" in out and "--- " not in out  # streamed, not printed at the end
+    # the run's frozen config holds the checkpoint's model (adopted before freezing), not the default model=
+    assert OmegaConf.load(tmp_path / "run" / "config.yaml").model == OmegaConf.create(cfg.model)
 
 
 def test_generate_user_errors(tmp_path):

@@ -121,3 +121,15 @@ def test_tp2_pp2_checkpoint_resumes_under_fsdp4_and_single_process(runs, tmp_pat
     for run_dir in jobs:
         (resumed,) = losses(run_dir)  # step 6 only
         assert abs(resumed - expected) <= 1e-5 * expected, run_dir.name
+
+
+def test_parallelism_never_patches_a_module():
+    """parallelize returns a value: no module's forward, class or pipeline is reassigned after construction."""
+    import re
+
+    import speedllm
+
+    pattern = re.compile(r"\.(forward|__class__|pipeline)\s*=[^=]|getattr\([^)]*\"pipeline\"")
+    offenders = [f"{path.name}:{n}" for path in Path(speedllm.__file__).parent.rglob("*.py")
+                 for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert offenders == []

@@ -76,8 +76,10 @@ def test_mindspeed_layouts_fit_and_ours_is_at_least_as_fast(name, world, hw_name
                                                             recompute):
     planner = Planner(Problem(model_config(name), load_profile(hw_name), world, 4096, global_batch))
     theirs = published_estimate(planner, world, degrees, micro, recompute)
+    # MindSpeed's MoE layouts use pipeline stages, which parallelize does not build for MoE models yet
     assert planner.invalid_reason(published_layout(world, degrees, micro)) in (
-        None, "MoE models run with tp=1 and pp=1 (experts use ep)")
+        None, f"parallel.pp={degrees['pp']} with MoE model {name} is not supported (the load-balancing loss spans "
+              "all layers); use parallel.pp=1 and parallel.ep for the experts")
     assert theirs.fits, theirs.reason
     start = time.perf_counter()
     best = planner.search().best

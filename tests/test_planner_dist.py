@@ -26,18 +26,22 @@ def predicted(overrides, world):
     planner = Planner(problem_from_config(cfg, world))
     layout = layout_from_config(cfg.parallel, cfg.train)
     split = planner.split(layout, cfg.parallel.pp_layers)
-    held = [rank_params(planner.mt, layout, split, r).sharded for r in range(layout.pp)]
+    held = [rank_params(planner.mt, layout, split, r, planner.state_numel).sharded for r in range(layout.pp)]
     return held, planner.rank_memories(layout, cfg.parallel.pp_layers)
 
 
-@pytest.mark.parametrize("model,parallel", [
-    ("qwen3_tiny", "fsdp2"), ("qwen3_moe_tiny", "fsdp2"), ("qwen3_tiny", "tp2"), ("qwen3_tiny", "pp2")])
-def test_planner_matches_sharded_runs(model, parallel, tmp_path):
-    overrides = [f"model={model}", f"parallel={parallel}", *COMMON]
+@pytest.mark.parametrize("model,parallel,optim", [
+    ("qwen3_tiny", "fsdp2", "adamw"), ("qwen3_moe_tiny", "fsdp2", "adamw"), ("qwen3_tiny", "tp2", "adamw"),
+    ("qwen3_tiny", "pp2", "adamw"), ("qwen3_tiny", "tp2", "sgd"), ("qwen3_tiny", "fsdp2", "adafactor")])
+def test_planner_matches_sharded_runs(model, parallel, optim, tmp_path):
+    # SGD with momentum keeps one buffer per parameter; Adafactor factored row and column statistics
+    extra = ["optim.momentum=0.9"] if optim == "sgd" else []
+    overrides = [f"model={model}", f"parallel={parallel}", f"optim={optim}", *extra, *COMMON]
     records = measure_layout(overrides, 2, tmp_path)
     held, memories = predicted(overrides, 2)
     for rec in records:
         mem = memories[rec["pp_rank"]]
         assert rec["held"] == held[rec["pp_rank"]], rec
         assert (rec["param_bytes"], rec["grad_bytes"], rec["optimizer_bytes"]) == (mem.params, mem.grads, mem.optimizer)
-        assert 0.85 <= mem.total / rec["peak"] <= 1.15, (rec, mem)
+        if optim == "adamw":  # the update's temporaries are modelled for foreach AdamW
+            assert 0.85 <= mem.total / rec["peak"] <= 1.15, (rec, mem)

@@ -51,7 +51,7 @@ def metrics(run_dir: Path, split: str = None) -> list:
 def saved_model(path: Path) -> dict:
     """Model weights of a checkpoint, loaded into a fresh model (by DCP, as a resume would)."""
     cfg = OmegaConf.load(path / "config.yaml")
-    model = build_model(cfg, Runtime())
+    model = build_model(cfg, Runtime()).module
     load_checkpoint(path, model, build_optimizer(model, cfg.optim))
     return model.state_dict()
 
@@ -105,7 +105,8 @@ def test_metrics_jsonl_tensorboard_and_mfu(straight):
 
 def test_nonfinite_step_is_skipped(tmp_path):
     cfg = config(tmp_path)
-    model = build_model(cfg, Runtime())
+    pm = build_model(cfg, Runtime())
+    model = pm.module
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, 10)
     torch.manual_seed(0)
@@ -113,13 +114,13 @@ def test_nonfinite_step_is_skipped(tmp_path):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         model.norm.weight[0] = math.nan
-    loss, grad_norm, ok = train_step(model, optimizer, scheduler, batch, cfg, 1, None, torch.autocast("cpu", enabled=False))
+    loss, grad_norm, ok = train_step(pm, optimizer, scheduler, batch, cfg, 1, None, torch.autocast("cpu", enabled=False))
     assert not ok and math.isnan(loss)
     assert optimizer.state == {} and all(p.grad is None for p in model.parameters())
     with torch.no_grad():
         model.norm.weight[0] = 1.0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing was updated
-    loss, grad_norm, ok = train_step(model, optimizer, scheduler, batch, cfg, 1, None, torch.autocast("cpu", enabled=False))
+    loss, grad_norm, ok = train_step(pm, optimizer, scheduler, batch, cfg, 1, None, torch.autocast("cpu", enabled=False))
     assert ok and math.isfinite(loss) and len(optimizer.state) > 0
 
 
@@ -190,3 +191,30 @@ def test_elastic_restart_resumes_after_a_rank_is_killed(tmp_path):
     losses = {r["step"]: r["loss"] for r in metrics(run_dir)}  # a resumed step overwrites its earlier record
     assert losses == {r["step"]: r["loss"] for r in metrics(ref_dir)}
     assert max(losses) == steps
+
+
+@pytest.mark.parametrize("optim,target", [("sgd", "torch.optim.SGD"), ("adafactor", "torch.optim.Adafactor")])
+def test_other_optimizers_train_from_the_command_line_and_resume_only_with_themselves(optim, target, tmp_path):
+    def launch(*overrides):
+        return subprocess.run([sys.executable, str(ROOT / "launch.py"), *TINY, f"hydra.run.dir={tmp_path}",
+                               *overrides], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+    proc = launch(f"optim={optim}", "train.steps=8", "optim.warmup_steps=0", "optim.schedule=constant")
+    assert proc.returncode == 0, proc.stderr
+    assert OmegaConf.load(tmp_path / "config.yaml").optim._target_ == target
+    losses = [r["loss"] for r in metrics(tmp_path)]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.1
+    proc = launch("optim=adamw", "train.steps=10", "checkpoint.load=auto")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: checkpoint {tmp_path}/checkpoints/step_00000008 was saved with optimizer {target} but this run uses "
+        "torch.optim.AdamW (optim=adamw); resume with the optimizer it was saved with, or start from its weights "
+        "with task=convert convert.to=hf and checkpoint.load_hf")
+
+
+def test_an_optimizer_target_that_does_not_import_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), *TINY, f"hydra.run.dir={tmp_path}",
+                           "optim._target_=torch.optim.NoSuchOptimizer"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "error: optim._target_=torch.optim.NoSuchOptimizer cannot be imported (")

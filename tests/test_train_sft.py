@@ -37,7 +37,8 @@ def test_sft_loss_is_on_assistant_tokens_only(tmp_path):
     cfg = config(tmp_path, *SFT)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     batch = next(build_loader(cfg, "train", 0, 1, 4, 128, cfg.seed))
-    model = build_model(cfg, Runtime())
+    pm = build_model(cfg, Runtime())
+    model = pm.module
 
     with torch.no_grad():
         logits_BSV = model(batch["tokens"], position_ids=batch["position_ids"], document_ids=batch["document_ids"])
@@ -52,7 +53,7 @@ def test_sft_loss_is_on_assistant_tokens_only(tmp_path):
     assert 0 < count < (batch["tokens"] != tokenizer.pad_token_id).sum() / 4  # a small share of the tokens
 
     optimizer = build_optimizer(model, cfg.optim)
-    loss, _, ok = train_step(model, optimizer, build_scheduler(optimizer, cfg.optim, 1), [batch], cfg, 1, None,
+    loss, _, ok = train_step(pm, optimizer, build_scheduler(optimizer, cfg.optim, 1), [batch], cfg, 1, None,
                              torch.autocast("cpu", enabled=False))
     assert ok and loss == pytest.approx(manual / count, rel=1e-5)
 
@@ -77,9 +78,9 @@ def answer_accuracy(model, cfg) -> float:
 
 def test_short_sft_run_raises_held_out_accuracy(tmp_path):
     cfg = config(tmp_path, *SFT, "train.steps=40", "optim.warmup_steps=5", "optim.lr=5e-3")
-    before = answer_accuracy(build_model(cfg, Runtime()), cfg)
+    before = answer_accuracy(build_model(cfg, Runtime()).module, cfg)
     run(cfg, Runtime())
-    model = build_model(cfg, Runtime())
+    model = build_model(cfg, Runtime()).module
     load_checkpoint(latest_checkpoint(cfg.checkpoint.dir), model, build_optimizer(model, cfg.optim))
     after = answer_accuracy(model, cfg)
     assert before < 0.1 and after > 0.3, (before, after)

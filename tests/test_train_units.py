@@ -26,7 +26,7 @@ def composed(*overrides):
 
 
 def optim_cfg(**kw):
-    base = dict(name="adamw", lr=1.0, min_lr=0.1, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8,
+    base = dict(name="adamw", _target_="torch.optim.AdamW", _partial_=True, foreach=True, lr=1.0, min_lr=0.1, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8,
                 schedule="cosine", warmup_steps=10, decay_fraction=0.2, decay_embeddings=False)
     return OmegaConf.create({**base, **kw})
 
@@ -50,7 +50,7 @@ def test_warmup_stable_decay():
     assert lr_factor(99, o, 100) == pytest.approx(0.1)
 
 
-def test_scheduler_drives_the_optimizer_and_rejects_unknown_names():
+def test_scheduler_drives_the_optimizer():
     param = torch.nn.Parameter(torch.zeros(2, 2))
     o = optim_cfg(lr=2e-3, min_lr=0.0, warmup_steps=2, schedule="linear")
     optimizer = torch.optim.AdamW([param], lr=o.lr)
@@ -61,8 +61,6 @@ def test_scheduler_drives_the_optimizer_and_rejects_unknown_names():
         optimizer.step()
         scheduler.step()
     assert seen == pytest.approx([1e-3, 2e-3, 1.5e-3, 1e-3, 0.5e-3, 0.0])
-    with pytest.raises(UserError, match="optim.schedule='step'"):
-        build_scheduler(optimizer, optim_cfg(schedule="step"), 6)
 
 
 @pytest.mark.parametrize("decay_embeddings", [False, True])

@@ -77,7 +77,7 @@ def hf_to_dcp(path: str, out: str, cfg: DictConfig) -> Path:
         if (Path(path) / name).is_file():
             shutil.copy2(Path(path) / name, tmp / HF_SUBDIR / name)
     copy_tokenizer(path, tmp / HF_SUBDIR)
-    saved = OmegaConf.to_container(cfg, resolve=True)
+    saved = OmegaConf.to_container(OmegaConf.create(cfg), resolve=True)  # typed objects or DictConfig
     saved["model"] = OmegaConf.to_container(model_cfg, resolve=True)
     saved["data"]["tokenizer"] = tokenizer
     OmegaConf.save(OmegaConf.create(saved), tmp / "config.yaml")

@@ -84,7 +84,14 @@ class HardwareConfig:
 
 @dataclass
 class TaskConfig:
+    """What the run does: conf/task/<name>.yaml names the callable `_target_(cfg, rt)` that runs it."""
+
     name: str = "pretrain"  # pretrain | sft | generate | chat | evaluate | preprocess | convert | plan | doctor
+    _target_: str = "speedllm.train.loop.run"
+    # planning or converting between machines: one process, no devices (the world size is not launched)
+    in_process: bool = False
+    # runs a trained model (tensor + data parallel layouts only; training-only rules do not apply)
+    inference: bool = False
 
 
 @dataclass
@@ -133,16 +140,57 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
-    lr: float = 3e-3
+    """An optimizer group (conf/optim/<name>.yaml): `_target_` is a torch optimizer class, instantiated with
+    `_partial_: true` over the parameter groups the code builds; the fields of a subclass below are its
+    keyword arguments. lr, weight_decay and the schedule fields are common to every optimizer."""
+
+    name: str = MISSING
+    _target_: str = MISSING
+    _partial_: bool = True
+    lr: float = 3e-3  # peak; the schedule scales it per step
+    weight_decay: float = 0.1  # on matrices; never on norms, on embeddings only with decay_embeddings
+    # learning-rate schedule (speedllm.train.schedule), not keyword arguments of the optimizer
     min_lr: float = 3e-4
-    weight_decay: float = 0.1
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
     schedule: str = "cosine"  # constant | linear | cosine | wsd
     warmup_steps: int = 10
     decay_fraction: float = 0.2  # wsd: share of steps spent decaying
-    decay_embeddings: bool = False  # weight decay on embeddings (never on norms)
+    decay_embeddings: bool = False
+
+
+@dataclass
+class AdamWConfig(OptimConfig):
+    name: str = "adamw"
+    _target_: str = "torch.optim.AdamW"
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    # null: fused on cpu/cuda (one pass per tensor, speedllm.train.optimizer.fused_adamw), else foreach, the
+    # multi-tensor path; both work with DTensor parameters (FSDP2 / TP)
+    fused: Optional[bool] = None
+    foreach: Optional[bool] = None
+
+
+@dataclass
+class SGDConfig(OptimConfig):
+    name: str = "sgd"
+    _target_: str = "torch.optim.SGD"
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    foreach: bool = True
+
+
+@dataclass
+class AdafactorConfig(OptimConfig):
+    name: str = "adafactor"
+    _target_: str = "torch.optim.Adafactor"
+    beta2_decay: float = -0.8
+    eps: List[Optional[float]] = field(default_factory=lambda: [None, 1e-3])
+    d: float = 1.0
+    foreach: bool = True
+
+
+# optimizer schemas by name (each has a file conf/optim/<name>.yaml)
+OPTIMIZERS = {c.name: c for c in (AdamWConfig, SGDConfig, AdafactorConfig)}
 
 
 @dataclass
@@ -221,7 +269,7 @@ class RunConfig:
     task: TaskConfig = MISSING
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: OptimConfig = MISSING
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
@@ -248,3 +296,20 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver("hf_model", _hf_model, use_cache=True)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
+    for schema in OPTIMIZERS.values():
+        cs.store(group="optim", name=f"{schema.name}_schema", node=schema)
+
+
+def typed(cfg) -> RunConfig:
+    """The run as typed objects (the schema's dataclasses), from a composed or a frozen (loaded) config.
+
+    Workers and tasks read these; nothing edits them. A frozen config.yaml has lost its types, so its optim
+    section is typed again by its schema's name.
+    """
+    if isinstance(cfg, RunConfig):
+        return cfg
+    if OmegaConf.get_type(cfg) is not RunConfig:
+        schema = OmegaConf.structured(RunConfig)
+        schema.optim = OmegaConf.structured(OPTIMIZERS[cfg.optim.name])
+        cfg = OmegaConf.merge(schema, cfg)
+    return OmegaConf.to_object(cfg)

@@ -9,26 +9,26 @@ from glob import glob
 
 from omegaconf import DictConfig
 
+from speedllm.config.rules import inference_layout_errors, layout_errors
 from speedllm.errors import UserError
+from speedllm.ops import IMPLEMENTATIONS
+from speedllm.train.schedule import SCHEDULES
 
 CHOICES = {
     "hardware.device": ("cpu", "cuda", "npu"),
     "hardware.backend": ("gloo", "nccl", "hccl"),
-    "hardware.ops": ("reference", "cuda", "npu"),
+    "hardware.ops": IMPLEMENTATIONS,
     "hardware.dtype": ("float32", "bfloat16", "float16"),
     "parallel.pp_schedule": ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"),
     "train.recompute": ("none", "selective", "full"),
-    "optim.schedule": ("constant", "linear", "cosine", "wsd"),
+    "optim.schedule": SCHEDULES,
     "data.format": ("pretrain", "alpaca", "sharegpt", "messages"),
     "data.loss_on": ("all", "assistant", "last"),
     "data.overlong": ("truncate", "drop"),
     "data.on_error": ("fail", "skip"),
     "convert.to": ("hf", "dcp"),
-    "task.name": ("pretrain", "sft", "generate", "chat", "evaluate", "preprocess", "convert", "plan", "doctor"),
+    "evaluate.split": ("train", "valid", "test"),
 }
-INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
-# Tasks that plan for or convert between machines: they run in one process and need no devices.
-IN_PROCESS_TASKS = ("preprocess", "convert", "plan")
 
 
 def _get(cfg: DictConfig, dotted: str):
@@ -36,10 +36,6 @@ def _get(cfg: DictConfig, dotted: str):
     for part in dotted.split("."):
         node = node[part]
     return node
-
-
-def _divisors(n: int) -> str:
-    return "{" + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
 
 
 def check_choices(cfg: DictConfig) -> None:
@@ -50,36 +46,29 @@ def check_choices(cfg: DictConfig) -> None:
 
 
 def check_parallel(cfg: DictConfig) -> None:
-    m, p, name = cfg.model, cfg.parallel, cfg.model.name
-    for key in ("tp", "pp", "vpp", "ep", "cp", "dp"):
-        if p[key] < 1:
-            raise UserError(f"parallel.{key}={p[key]} must be >= 1")
-    for heads_key in ("num_attention_heads", "num_key_value_heads"):
-        heads = m[heads_key]
-        if heads % p.tp:
-            raise UserError(f"parallel.tp={p.tp} does not divide {heads_key}={heads} of model {name}; "
-                            f"use tp in {_divisors(m.num_key_value_heads)}")
-    stages = p.pp * p.vpp
-    if p.pp_layers is not None:
-        if len(p.pp_layers) != stages or sum(p.pp_layers) != m.num_hidden_layers or min(p.pp_layers) < 1:
-            raise UserError(f"parallel.pp_layers={list(p.pp_layers)} must list {stages} stage sizes (pp*vpp) of at "
-                            f"least 1 that sum to num_hidden_layers={m.num_hidden_layers} of model {name}")
-    elif m.num_hidden_layers % stages:
-        raise UserError(f"model.num_hidden_layers={m.num_hidden_layers} of model {name} cannot be split evenly over "
-                        f"parallel.pp={p.pp} x parallel.vpp={p.vpp} = {stages} stages; use pp*vpp in "
-                        f"{_divisors(m.num_hidden_layers)} or list the layers per stage in parallel.pp_layers")
-    if p.vpp > 1 and p.pp_schedule not in INTERLEAVED:
-        raise UserError(f"parallel.vpp={p.vpp} needs an interleaved schedule; set parallel.pp_schedule to one of "
-                        f"{', '.join(INTERLEAVED)} (or vpp=1)")
-    if p.ep > 1:
-        if m.num_experts == 0:
-            raise UserError(f"parallel.ep={p.ep} needs a MoE model but {name} is dense; set parallel.ep=1")
-        if m.num_experts % p.ep:
-            raise UserError(f"parallel.ep={p.ep} does not divide num_experts={m.num_experts} of model {name}; "
-                            f"use ep in {_divisors(m.num_experts)}")
-        if (p.dp * p.cp) % p.ep:
-            raise UserError(f"parallel.ep={p.ep} must divide parallel.dp x parallel.cp = {p.dp * p.cp} "
-                            f"(experts are spread over the data/context ranks); raise dp or lower ep")
+    p = cfg.parallel
+    errors = layout_errors(cfg.model, tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, cp=p.cp, dp=p.dp,
+                           schedule=p.pp_schedule, pp_layers=p.pp_layers)
+    if cfg.task.inference:
+        errors += inference_layout_errors(cfg.task.name, pp=p.pp, cp=p.cp, ep=p.ep)
+    if errors:
+        raise UserError(errors[0])
+
+
+def check_task(cfg: DictConfig) -> None:
+    """The task's `_target_` and the optimizer's must resolve before anything is launched."""
+    from hydra.utils import get_method
+
+    from speedllm.train.optimizer import optimizer_errors
+
+    try:
+        get_method(cfg.task._target_)
+    except Exception as e:  # hydra wraps import and attribute errors alike
+        raise UserError(f"task._target_={cfg.task._target_} cannot be imported ({str(e).splitlines()[0]}); "
+                        "use one of the tasks in conf/task") from None
+    errors = optimizer_errors(cfg.optim)
+    if errors:
+        raise UserError(errors[0])
 
 
 def check_batch(cfg: DictConfig) -> None:
@@ -87,7 +76,7 @@ def check_batch(cfg: DictConfig) -> None:
     if t.global_batch_size % (t.micro_batch_size * p.dp):
         raise UserError(f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="
                         f"{t.micro_batch_size} x parallel.dp={p.dp}; use a multiple of {t.micro_batch_size * p.dp}")
-    if t.seq_len > m.max_position_embeddings:
+    if t.seq_len > m.max_position_embeddings and not cfg.task.inference:
         raise UserError(f"train.seq_len={t.seq_len} exceeds max_position_embeddings={m.max_position_embeddings} of "
                         f"model {m.name}; lower train.seq_len")
     if p.cp > 1 and t.seq_len % (2 * p.cp):
@@ -96,6 +85,23 @@ def check_batch(cfg: DictConfig) -> None:
     if p.tp > 1 and p.sequence_parallel and t.seq_len % p.tp:
         raise UserError(f"train.seq_len={t.seq_len} must be divisible by parallel.tp={p.tp} with sequence parallel; "
                         f"pick a multiple of {p.tp} or set parallel.sequence_parallel=false")
+
+
+def check_inference(cfg: DictConfig) -> None:
+    """Sampling and evaluation settings of the tasks that run a trained model."""
+    gen = cfg.generate
+    rules = [
+        (gen.max_new_tokens >= 1, f"generate.max_new_tokens={gen.max_new_tokens} must be >= 1"),
+        (gen.batch_size >= 1, f"generate.batch_size={gen.batch_size} must be >= 1"),
+        (gen.temperature >= 0, f"generate.temperature={gen.temperature} must be >= 0 (0 = greedy)"),
+        (gen.top_k >= 0, f"generate.top_k={gen.top_k} must be >= 0 (0 = off)"),
+        (0 < gen.top_p <= 1, f"generate.top_p={gen.top_p} must be in (0, 1] (1 = off)"),
+        (gen.repetition_penalty > 0, f"generate.repetition_penalty={gen.repetition_penalty} must be > 0 (1 = off)"),
+        (cfg.evaluate.steps >= 1, f"evaluate.steps={cfg.evaluate.steps} must be >= 1"),
+    ]
+    for ok, message in rules:
+        if not ok:
+            raise UserError(message)
 
 
 def check_world(cfg: DictConfig, world_size: int) -> None:
@@ -198,12 +204,15 @@ def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
     """Run every rule; the first failure raises UserError."""
     check_hf_model(cfg)
     check_choices(cfg)
+    check_task(cfg)
     check_parallel(cfg)
     check_batch(cfg)
+    if cfg.task.inference:
+        check_inference(cfg)
     if cfg.task.name != "plan":
         check_world(cfg, world_size)
         check_paths(cfg)
-        if cfg.task.name not in IN_PROCESS_TASKS:
+        if not cfg.task.in_process:
             check_device(cfg, nproc_per_node)
         if cfg.task.name not in ("doctor", "convert", "preprocess"):  # preprocess uses no model
             check_tokenizer(cfg)

@@ -14,7 +14,6 @@ from omegaconf import DictConfig
 
 from speedllm.errors import UserError
 from speedllm.infer.engine import TextStream, generate_ids
-from speedllm.infer.generate import check_settings
 from speedllm.infer.load import DTYPES, load_model, load_tokenizer, pad_id_of, stop_ids_of
 from speedllm.infer.sampling import Sampling
 from speedllm.runtime import Runtime
@@ -52,7 +51,6 @@ def prompt_ids(tokenizer, history: List[dict], thinking: bool, budget: int) -> L
 def run(cfg: DictConfig, rt: Runtime) -> None:
     """task=chat: read a line, answer it with the whole conversation as context, until /exit."""
     gen = cfg.generate
-    check_settings(gen)
     model = load_model(cfg, rt)
     tokenizer = load_tokenizer(cfg)
     if not tokenizer.chat_template:

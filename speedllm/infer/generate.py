@@ -8,6 +8,7 @@ Prompts run in batches of generate.batch_size (left-padded). Data-parallel ranks
 tensor-parallel ranks share each batch. A single prompt streams its text as it is generated.
 """
 
+import copy
 import json
 import sys
 import time
@@ -55,21 +56,6 @@ def read_prompts(gen: DictConfig) -> List[str]:
     return prompts
 
 
-def check_settings(gen: DictConfig) -> None:
-    """One-line errors for generate.* values that cannot work."""
-    rules = [
-        (gen.max_new_tokens >= 1, f"generate.max_new_tokens={gen.max_new_tokens} must be >= 1"),
-        (gen.batch_size >= 1, f"generate.batch_size={gen.batch_size} must be >= 1"),
-        (gen.temperature >= 0, f"generate.temperature={gen.temperature} must be >= 0 (0 = greedy)"),
-        (gen.top_k >= 0, f"generate.top_k={gen.top_k} must be >= 0 (0 = off)"),
-        (0 < gen.top_p <= 1, f"generate.top_p={gen.top_p} must be in (0, 1] (1 = off)"),
-        (gen.repetition_penalty > 0, f"generate.repetition_penalty={gen.repetition_penalty} must be > 0 (1 = off)"),
-    ]
-    for ok, message in rules:
-        if not ok:
-            raise UserError(message)
-
-
 def encode(tokenizer, prompt: str, gen: DictConfig) -> List[int]:
     """Token ids of a prompt, wrapped in the chat template as one user turn when generate.chat_template=true."""
     if gen.chat_template:
@@ -111,7 +97,7 @@ def sample_texts(model: nn.Module, tokenizer, prompts: List[str], cfg: DictConfi
     model.eval()
     # FSDP computes in its mixed-precision dtype; a plain model in the dtype of its weights.
     dtype = DTYPES[cfg.hardware.dtype] if isinstance(model, FSDPModule) else next(model.parameters()).dtype
-    gen = cfg.generate.copy()
+    gen = copy.copy(cfg.generate)
     gen.temperature, gen.stop, gen.chat_template = 0.0, [], False
     rows = complete(model, tokenizer, prompts, gen, dtype, tp=cfg.parallel.tp)
     model.train(was_training)
@@ -130,7 +116,6 @@ def gather_rows(rows: List[dict], indices: List[int]) -> List[dict]:
 def run(cfg: DictConfig, rt: Runtime) -> None:
     """task=generate: print completions (streaming a single prompt) and write generate.output as jsonl."""
     gen = cfg.generate
-    check_settings(gen)
     prompts = read_prompts(gen)
     model = load_model(cfg, rt)
     tokenizer = load_tokenizer(cfg)

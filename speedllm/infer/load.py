@@ -11,20 +11,15 @@ from torch import nn
 
 from speedllm.errors import UserError
 from speedllm.hardware import DTYPES
+from speedllm.parallel.weights import tie_embeddings
 from speedllm.runtime import Runtime
 
 
-def check_layout(cfg: DictConfig) -> None:
-    """Inference places the model with tensor parallelism only; data-parallel ranks split the prompts."""
-    p = cfg.parallel
-    if p.pp > 1 or p.cp > 1 or p.ep > 1:
-        raise UserError(f"task={cfg.task.name} runs tensor and data parallel only, not parallel.pp={p.pp} / "
-                        f"cp={p.cp} / ep={p.ep}; use parallel=tp2 (or tp8, dp2, single) for inference")
+def adopt_checkpoint_config(cfg: DictConfig) -> bool:
+    """With checkpoint.load, the architecture and tokenizer the checkpoint was trained with replace cfg's;
+    returns whether they did.
 
-
-def adopt_checkpoint_config(cfg: DictConfig) -> None:
-    """With checkpoint.load, the architecture and tokenizer the checkpoint was trained with replace cfg's.
-
+    The launcher calls this after validating and before freezing, so <run_dir>/config.yaml is the model that runs.
     (An HF directory needs nothing here: model=hf reads its config.json, and validation has already
     checked any other model= against it.)
     """
@@ -32,7 +27,7 @@ def adopt_checkpoint_config(cfg: DictConfig) -> None:
 
     ck = cfg.checkpoint
     if ck.load_hf is not None:
-        return
+        return False
     if ck.load is None:
         raise UserError(f"task={cfg.task.name} needs weights: checkpoint.load=<checkpoint dir> (from a training "
                         "run) or checkpoint.load_hf=<Hugging Face model dir> (with model=hf)")
@@ -40,15 +35,17 @@ def adopt_checkpoint_config(cfg: DictConfig) -> None:
     if path is None:
         raise UserError(f"checkpoint.load={ck.load}: no checkpoint there yet; point it at a step_* directory or a "
                         "checkpoints directory")
+    frozen = path / "config.yaml"
     with open_dict(cfg):
         ck.load = str(path)
-        frozen = path / "config.yaml"
-        if frozen.is_file():
-            saved = OmegaConf.load(frozen)
-            if saved.model != cfg.model:
-                print(f"model and tokenizer from {frozen}: {saved.model.name}")
-            cfg.model = OmegaConf.merge(cfg.model, saved.model)
-            cfg.data.tokenizer = saved.data.tokenizer
+        if not frozen.is_file():
+            return False
+        saved = OmegaConf.load(frozen)
+        if saved.model != cfg.model:
+            print(f"model and tokenizer from {frozen}: {saved.model.name}")
+        cfg.model = OmegaConf.merge(cfg.model, saved.model)
+        cfg.data.tokenizer = saved.data.tokenizer
+    return True
 
 
 def load_weights(model: nn.Module, cfg: DictConfig) -> None:
@@ -74,8 +71,6 @@ def load_model(cfg: DictConfig, rt: Runtime) -> nn.Module:
     """The inference model of this rank: eval mode, weights loaded, in hardware.dtype."""
     from speedllm.models.qwen3 import Qwen3
 
-    check_layout(cfg)
-    adopt_checkpoint_config(cfg)
     with torch.device("meta"):
         model = Qwen3(cfg.model, ops=cfg.hardware.ops)
     model.to(DTYPES[cfg.hardware.dtype])  # still on meta: weights are allocated, and loaded, in this dtype only
@@ -85,8 +80,7 @@ def load_model(cfg: DictConfig, rt: Runtime) -> nn.Module:
         # No sequence parallel: a decode step has one token per row, nothing to split along the sequence.
         apply_tp(model, rt.mesh["tp"], sequence_parallel=False)
     model.to_empty(device=rt.device)
-    if cfg.model.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight  # to_empty() unties shared weights
+    tie_embeddings(model)  # to_empty() unties shared weights
     load_weights(model, cfg)
     return model.eval()
 

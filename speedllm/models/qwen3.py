@@ -8,7 +8,7 @@ A pipeline splitter may set `embed_tokens`, `norm`, `lm_head` to None and delete
 forward then takes / returns hidden states.
 """
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -105,16 +105,20 @@ class Qwen3(nn.Module):
     Args:
         cfg: fields of speedllm.config.schema.ModelConfig (DictConfig or dataclass).
         ops: op set name (reference | cuda | npu), normally the hardware profile's `ops`.
+        output_loss: (hidden_ND, weight_VD, labels_N, chunk_size, cross_entropy) -> ce_sum, the output
+            projection + summed cross-entropy; a layout may need its own (speedllm.parallel.output_loss_for:
+            vocabulary-parallel under tensor parallelism) without touching this file.
+        loss_chunk_size: tokens per chunk of that loss (0: one chunk if the logits fit a budget,
+            speedllm.ops.loss.chunk_rows).
     """
 
-    def __init__(self, cfg, ops: str = "reference"):
+    def __init__(self, cfg, ops: str = "reference", output_loss: Callable = chunked_cross_entropy,
+                 loss_chunk_size: int = 0):
         super().__init__()
         self.cfg = cfg
         self.ops = get_ops(ops)
-        self.loss_chunk_size = 0  # speedllm.ops.loss.chunk_rows: one chunk if the logits fit its budget
-        # (hidden_ND, weight_VD, labels_N, chunk_size, cross_entropy) -> ce_sum; tensor parallelism swaps in a
-        # vocabulary-parallel version (speedllm.parallel.tensor) without touching this file.
-        self.output_loss = chunked_cross_entropy
+        self.loss_chunk_size = loss_chunk_size
+        self.output_loss = output_loss
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, self.ops) for i in range(cfg.num_hidden_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops)

@@ -18,7 +18,6 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-from speedllm.errors import UserError
 
 IMPLEMENTATIONS = ("reference", "cuda", "npu")
 
@@ -40,9 +39,8 @@ _CACHE = {}
 
 
 def get_ops(name: str) -> Ops:
-    """Return the op set `name` (reference | cuda | npu); the npu set imports torch_npu only here."""
-    if name not in IMPLEMENTATIONS:
-        raise UserError(f"hardware.ops={name!r} is not an op set; choose one of {', '.join(IMPLEMENTATIONS)}")
+    """Return the op set `name` (reference | cuda | npu, validated as hardware.ops); the npu set imports torch_npu
+    only here."""
     if name not in _CACHE:
         module = importlib.import_module(f"speedllm.ops.{name}")
         _CACHE[name] = Ops(

@@ -40,10 +40,15 @@ def all_to_all(x_ND, recv_splits, send_splits, group):
     return _AllToAll.apply(x_ND, recv_splits, send_splits, group)
 
 
-class ExpertParallelExperts(Experts):
-    """Experts whose weights are sharded over an ep mesh; forward dispatches rows to their experts' ranks."""
+class ExpertParallelExperts(nn.Module):
+    """The experts of one MoE layer with weights sharded over an ep mesh (DTensors, Shard(0) on the expert dim);
+    forward dispatches rows to their experts' ranks. Same parameter names as speedllm.models.moe.Experts."""
 
-    ep_mesh: DeviceMesh
+    def __init__(self, experts: Experts, ep_mesh: DeviceMesh):
+        super().__init__()
+        self.ep_mesh = ep_mesh
+        for name, param in experts.named_parameters():
+            self.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)])))
 
     def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor, ops) -> torch.Tensor:
         group = self.ep_mesh.get_group()
@@ -73,10 +78,5 @@ class ExpertParallelExperts(Experts):
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     """Shard the experts of every MoE layer of `model` (on the meta device) over `ep_mesh`, in place."""
     for layer in model.layers.values():
-        if not isinstance(layer.mlp, MoE):
-            continue
-        experts = layer.mlp.experts
-        for name, param in list(experts.named_parameters()):
-            experts.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)])))
-        experts.__class__ = ExpertParallelExperts
-        experts.ep_mesh = ep_mesh
+        if isinstance(layer.mlp, MoE):
+            layer.mlp.register_module("experts", ExpertParallelExperts(layer.mlp.experts, ep_mesh))

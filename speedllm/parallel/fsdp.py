@@ -6,35 +6,26 @@ their gradients are summed exactly like data-parallel ones. `parallel.fsdp=false
 """
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from speedllm.parallel.mesh import data_mesh
+from speedllm.parallel.mesh import ParallelDims
 
 
-def mixed_precision(cfg: DictConfig) -> MixedPrecisionPolicy:
-    """The hardware profile's compute dtype for parameters, fp32 for gradient reductions (and master weights)."""
-    return MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.hardware.dtype), reduce_dtype=torch.float32)
-
-
-def fsdp_mesh(cfg: DictConfig, mesh: DeviceMesh) -> DeviceMesh:
-    """1-D (dp*cp) mesh to shard over, or the 2-D (dp, cp) mesh for HSDP when parallel.fsdp is false."""
-    return data_mesh(mesh) if cfg.parallel.fsdp else mesh["dp", "cp"]
-
-
-def apply_fsdp(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh, expert_mesh: DeviceMesh = None) -> None:
+def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype, shard: bool, reshard: bool,
+               expert_mesh: DeviceMesh = None) -> None:
     """fully_shard every decoder layer and the root (one pipeline stage or the whole model).
 
     Args:
-        mesh: the world mesh (speedllm.parallel.mesh.build_mesh).
+        param_dtype: compute dtype of the parameters (gradient reductions and master weights stay fp32).
+        shard: shard over dp x cp (FSDP); False replicates over dp (HSDP with a dp replicate axis).
+        reshard: free gathered parameters after forward (ZeRO-3-like) rather than keep them (ZeRO-2-like).
         expert_mesh: with expert parallelism, the mesh to shard the experts over (the data ranks holding the
             same experts); the experts become their own FSDP unit.
     """
-    mp = mixed_precision(cfg)
-    shard_mesh = fsdp_mesh(cfg, mesh)
-    reshard = cfg.parallel.reshard_after_forward
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    shard_mesh = dims.data_mesh() if shard else dims.mesh["dp", "cp"]
     for layer in model.layers.values():
         if expert_mesh is not None and layer.is_moe:
             fully_shard(layer.mlp.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard)

@@ -1,34 +1,67 @@
 """The device mesh: one named axis per parallel dimension, shared by everything that places tensors."""
 
-from omegaconf import DictConfig
+from dataclasses import dataclass
+from typing import Optional
+
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # Outermost to innermost: pipeline stages talk least, tensor-parallel peers most (keep them on one node).
 AXES = ("pp", "dp", "cp", "tp")
 
 
-def world_size_of(parallel: DictConfig) -> int:
-    """World size implied by the layout (dp must already be resolved, i.e. >= 1)."""
-    return parallel.pp * parallel.dp * parallel.cp * parallel.tp
-
-
-def build_mesh(cfg: DictConfig, device_type: str) -> DeviceMesh:
+def build_mesh(parallel, device_type: str) -> DeviceMesh:
     """A 4-D mesh (pp, dp, cp, tp); axes of size 1 are kept so every rank has every coordinate."""
-    p = cfg.parallel
+    p = parallel
     return init_device_mesh(device_type, (p.pp, p.dp, p.cp, p.tp), mesh_dim_names=AXES)
 
 
-def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The dp x cp ranks as one 1-D mesh: they hold the same parameters and see different tokens."""
-    return mesh["dp", "cp"]._flatten("dp_cp")
+@dataclass(frozen=True)
+class ParallelDims:
+    """The degrees of this job's layout, read from its mesh (the one source of truth inside a worker).
 
-
-def expert_meshes(mesh: DeviceMesh, ep: int) -> tuple:
-    """(ep mesh, edp mesh): expert parallelism carved out of dp x cp, as consecutive blocks of `ep` ranks.
-
-    Experts are split over the ep axis; ranks at the same ep coordinate hold the same experts and shard
-    them further with FSDP over the edp axis.
+    Without a mesh (a single process) every degree is 1. Expert parallelism is not a mesh axis: it is
+    carved out of dp x cp (see `expert_meshes`), so its degree is carried alongside.
     """
-    dp_cp = data_mesh(mesh)
-    split = dp_cp._unflatten(0, (dp_cp.size() // ep, ep), ("edp", "ep"))
-    return split["ep"], split["edp"]
+
+    mesh: Optional[DeviceMesh] = None
+    ep: int = 1
+
+    def size(self, axis: str) -> int:
+        return self.mesh[axis].size() if self.mesh is not None else 1
+
+    @property
+    def dp(self) -> int:
+        return self.size("dp")
+
+    @property
+    def tp(self) -> int:
+        return self.size("tp")
+
+    @property
+    def pp(self) -> int:
+        return self.size("pp")
+
+    @property
+    def cp(self) -> int:
+        return self.size("cp")
+
+    def coords(self, axis: str) -> tuple:
+        """(rank on `axis`, its size, its process group or None)."""
+        if self.mesh is None:
+            return 0, 1, None
+        sub = self.mesh[axis]
+        return sub.get_local_rank(), sub.size(), sub.get_group()
+
+    def data_mesh(self) -> DeviceMesh:
+        """The dp x cp ranks as one 1-D mesh: they hold the same parameters and see different tokens."""
+        return self.mesh["dp", "cp"]._flatten("dp_cp")
+
+    def expert_meshes(self) -> tuple:
+        """(ep mesh, edp mesh): expert parallelism carved out of dp x cp, as consecutive blocks of `ep` ranks.
+
+        Experts are split over the ep axis; ranks at the same ep coordinate hold the same experts and shard
+        them further with FSDP over the edp axis.
+        """
+        dp_cp = self.data_mesh()
+        split = dp_cp._unflatten(0, (dp_cp.size() // self.ep, self.ep), ("edp", "ep"))
+        return split["ep"], split["edp"]

@@ -1,5 +1,6 @@
 """Apply parallelism to a single-device model from the outside, in a fixed order:
-pipeline split -> TP/SP -> EP -> CP -> activation recompute -> torch.compile -> FSDP2.
+pipeline split -> TP/SP -> EP -> CP -> activation recompute -> torch.compile -> FSDP2,
+and return what was built as a value: a `ParallelModel`.
 
 Every step works on the model (or each pipeline stage of it) while it is still on the meta device;
 `materialize` then allocates this rank's pieces and fills them with the single-process initial weights.
@@ -7,17 +8,20 @@ Every step works on the model (or each pipeline stage of it) while it is still o
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from speedllm.errors import UserError
 from speedllm.parallel.fsdp import apply_fsdp
-from speedllm.parallel.mesh import data_mesh, expert_meshes
+from speedllm.parallel.mesh import ParallelDims
+
+if TYPE_CHECKING:
+    from speedllm.parallel.pipeline import Pipeline
 
 # Ops whose outputs selective recompute keeps: the matmuls and attention are the expensive ones to redo;
 # norms, activations and elementwise ops are cheap to recompute and their outputs are the bulk of memory.
@@ -29,6 +33,35 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
+
+
+@dataclass
+class ParallelModel:
+    """What `parallelize` built for this rank.
+
+    Attributes:
+        module: every parameter this rank holds, named as in the single-device model (for the optimizer,
+            checkpoints and gradient clipping). Without pipeline stages it is the model that runs.
+        parts: the modules that run and own the parameters: the pipeline stages of this rank, or [module].
+        pipeline: the schedule over `parts` (speedllm.parallel.pipeline.Pipeline), or None.
+    """
+
+    module: nn.Module
+    parts: List[nn.Module] = field(default_factory=list)
+    pipeline: Optional["Pipeline"] = None
+
+    def __call__(self, tokens: torch.Tensor, **kwargs):
+        """The whole model's forward (evaluation, samples): Qwen3.forward's results on every rank."""
+        if self.pipeline is None:
+            return self.module(tokens, **kwargs)
+        return self.pipeline.forward_only(tokens, **kwargs)
+
+    def train(self, mode: bool = True) -> "ParallelModel":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "ParallelModel":
+        return self.train(False)
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
@@ -51,99 +84,95 @@ def apply_recompute(model: nn.Module, mode: str) -> None:
         model.layers.register_module(name, wrapped)
 
 
-def _parallelize_part(part: nn.Module, cfg: DictConfig, rt) -> None:
+def output_loss_for(dims: ParallelDims) -> Callable:
+    """The output projection + loss a layout's model is built with: vocabulary-parallel under TP."""
+    if dims.tp > 1:
+        from speedllm.parallel.tensor import vocab_parallel_output_loss
+
+        return vocab_parallel_output_loss
+    from speedllm.ops.loss import chunked_cross_entropy
+
+    return chunked_cross_entropy
+
+
+def _parallelize_part(part: nn.Module, dims: ParallelDims, parallel, train, param_dtype: torch.dtype) -> None:
     """TP/SP, EP, CP, recompute, compile and FSDP2 on one model part (the model or a pipeline stage)."""
-    p = cfg.parallel
     expert_mesh = None
-    if rt.mesh is not None and p.tp > 1:
+    if dims.tp > 1:
         from speedllm.parallel.tensor import apply_tp
 
-        apply_tp(part, rt.mesh["tp"], p.sequence_parallel)
-    if rt.mesh is not None and p.ep > 1:
+        apply_tp(part, dims.mesh["tp"], parallel.sequence_parallel)
+    if dims.ep > 1:
         from speedllm.parallel.expert import apply_ep
 
-        ep_mesh, expert_mesh = expert_meshes(rt.mesh, p.ep)
+        ep_mesh, expert_mesh = dims.expert_meshes()
         apply_ep(part, ep_mesh)
-    if rt.mesh is not None and p.cp > 1:
+    if dims.cp > 1:
         from speedllm.parallel.context import apply_cp
 
-        apply_cp(part, rt.mesh["cp"])
-    if cfg.train.recompute != "none":
-        apply_recompute(part, cfg.train.recompute)
-    if cfg.train.compile:
+        apply_cp(part, dims.mesh["cp"])
+    if train.recompute != "none":
+        apply_recompute(part, train.recompute)
+    if train.compile:
         for layer in part.layers.values():
             layer.compile()
-    if rt.mesh is not None and (data_mesh(rt.mesh).size() > 1 or not p.fsdp):
-        apply_fsdp(part, cfg, rt.mesh, expert_mesh)
+    if dims.mesh is not None and (dims.dp * dims.cp > 1 or not parallel.fsdp):
+        apply_fsdp(part, dims, param_dtype, parallel.fsdp, parallel.reshard_after_forward, expert_mesh)
 
 
-def parallelize(model: nn.Module, cfg: DictConfig, rt) -> nn.Module:
-    """Return `model` (still on the meta device) prepared for this rank's place in the mesh.
+def parallelize(model: nn.Module, dims: ParallelDims, parallel, train, param_dtype: torch.dtype,
+                device: torch.device) -> ParallelModel:
+    """This rank's share of `model` (still on the meta device), parallelized for its place in the mesh.
 
-    With pipeline parallelism the result holds only this rank's layers and carries a `pipeline`
-    (speedllm.parallel.pipeline.Pipeline) whose forward_backward the training loop uses.
+    Args:
+        dims: degrees and mesh of the job (speedllm.parallel.mesh.ParallelDims).
+        parallel: the layout's settings (schema ParallelConfig: schedule, FSDP, sequence parallel, stages).
+        train: recompute and compile settings (schema TrainConfig).
+        param_dtype: compute dtype of FSDP's mixed precision.
+    Layout combinations that cannot be built were rejected by validation (speedllm.config.rules).
     """
-    p = cfg.parallel
-    if p.cp > 1 and (p.pp > 1 or cfg.model.num_experts > 0):
-        raise UserError(f"parallel.cp={p.cp} works with dense models without pipeline stages; set parallel.cp=1 "
-                        f"or use parallel.pp=1 and a dense model")
-    if p.tp > 1 and cfg.model.num_experts > 0:
-        raise UserError(f"parallel.tp={p.tp} with MoE model {cfg.model.name} is not supported; use parallel.ep "
-                        f"for the experts and parallel.tp=1")
-    if rt.mesh is None or p.pp == 1:
-        _parallelize_part(model, cfg, rt)
-        return model
-    if cfg.model.num_experts > 0:
-        raise UserError(f"parallel.pp={p.pp} with MoE model {cfg.model.name} is not supported (the load-balancing "
-                        "loss spans all layers); use parallel.pp=1")
+    if dims.pp == 1:
+        _parallelize_part(model, dims, parallel, train, param_dtype)
+        return ParallelModel(model, [model])
     from speedllm.parallel.pipeline import Pipeline, split_model
 
-    rank_module, stages = split_model(model, cfg, rt.mesh["pp"].get_local_rank())
+    rank_module, stages = split_model(model, parallel, dims.mesh["pp"].get_local_rank())
     for _, stage in stages:
-        _parallelize_part(stage, cfg, rt)
+        _parallelize_part(stage, dims, parallel, train, param_dtype)
         for name, layer in stage.layers.items():
             rank_module.layers[name] = layer  # recompute may have wrapped it
-    rank_module.pipeline = Pipeline(rank_module, stages, cfg, rt.mesh, rt.device)
-    # called as a whole model (evaluation, samples), this rank's module runs the stages in turn
-    rank_module.forward = rank_module.pipeline.forward_only
-    return rank_module
+    pipeline = Pipeline(rank_module, stages, parallel, dims.mesh, device)
+    return ParallelModel(rank_module, [module for _, module in stages], pipeline)
 
 
-def model_parts(model: nn.Module) -> list:
-    """The modules that own this rank's parameters: the pipeline stages, or the model itself."""
-    pipeline = getattr(model, "pipeline", None)
-    return pipeline.modules if pipeline is not None else [model]
-
-
-def materialize(model: nn.Module, cfg: DictConfig, rt) -> None:
+def materialize(pm: ParallelModel, dims: ParallelDims, device: torch.device) -> None:
     """Allocate this rank's parameters on its device and give them the single-process initial weights."""
     from torch.distributed.fsdp import FSDPModule
 
     from speedllm.parallel.tensor import shard_embedding_grad
     from speedllm.parallel.weights import init_from_rank0, tie_embeddings
 
-    parts = model_parts(model)
-    for part in parts:
-        part.to_empty(device=rt.device)
+    for part in pm.parts:
+        part.to_empty(device=device)
         tie_embeddings(part)
-        if rt.mesh is not None and cfg.parallel.tp > 1 and not isinstance(part, FSDPModule):  # FSDP: its own
+        if dims.tp > 1 and not isinstance(part, FSDPModule):  # FSDP: its own
             shard_embedding_grad(part)
-    if getattr(model, "pipeline", None) is not None:
-        model.pipeline.retie()
-    if rt.world_size == 1 and rt.device.type == "cpu":
+    if pm.pipeline is not None:
+        pm.pipeline.retie()
+    if dims.mesh is None and device.type == "cpu":
         with torch.no_grad():
-            model.init_weights()
+            pm.module.init_weights()
     else:  # initialized in host memory (the same RNG stream on every layout and device), then placed
-        init_from_rank0(parts, cfg, rt.device)
+        init_from_rank0(pm.parts, pm.module.cfg, device)
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(pm: ParallelModel, max_norm: float) -> torch.Tensor:
     """Global L2 norm of all gradients (every shard, every pipeline stage), clipped to max_norm when > 0.
 
     Gradients may live on different meshes (dense: dp x tp, experts: edp x ep), so the norm is taken per
     mesh and combined; a pipeline's copy of tied embeddings counts once.
     """
-    pipeline = getattr(model, "pipeline", None)
+    model, pipeline = pm.module, pm.pipeline
     params = [p for p in model.parameters() if p.grad is not None]
     skip = set()
     if pipeline is not None and pipeline.tied and model.lm_head is not None:

@@ -16,16 +16,14 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor, Shard
 
-from speedllm.errors import UserError
+from speedllm.config.rules import V_SCHEDULES
 
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
 
 def layers_per_stage(num_layers: int, num_stages: int, explicit: Optional[List[int]]) -> List[List[int]]:
@@ -57,18 +55,19 @@ def stage_module(model: nn.Module, layer_ids: List[int], first: bool, last: bool
     return stage
 
 
-def split_model(model: nn.Module, cfg: DictConfig, pp_rank: int) -> tuple:
-    """(rank module, [(stage index, stage module)]) for this pipeline rank; `model` is on the meta device."""
-    p = cfg.parallel
-    if p.pp_schedule in V_SCHEDULES and p.vpp != 2:
-        raise UserError(f"parallel.pp_schedule={p.pp_schedule} places two stages per rank in a V; set parallel.vpp=2")
+def split_model(model: nn.Module, parallel, pp_rank: int) -> tuple:
+    """(rank module, [(stage index, stage module)]) for this pipeline rank; `model` is on the meta device.
+
+    `parallel` is the layout (schema ParallelConfig), already validated (speedllm.config.rules).
+    """
+    p = parallel
     num_stages = p.pp * p.vpp
-    all_layers = layers_per_stage(cfg.model.num_hidden_layers, num_stages, p.pp_layers)
+    all_layers = layers_per_stage(model.cfg.num_hidden_layers, num_stages, p.pp_layers)
     mine = stages_of_rank(pp_rank, p.pp, p.vpp, p.pp_schedule)
     owned = sorted(i for s in mine for i in all_layers[s])
     holds_first, holds_last = 0 in mine, num_stages - 1 in mine
     rank_module = stage_module(model, owned, holds_first, holds_last)
-    if holds_last and cfg.model.tie_word_embeddings:
+    if holds_last and model.cfg.tie_word_embeddings:
         # The first and last stages are separate modules (separate FSDP units): the head gets its own
         # tensor, kept equal to embed_tokens by summing their gradients.
         rank_module.lm_head = copy.deepcopy(model.lm_head)
@@ -84,9 +83,8 @@ def split_model(model: nn.Module, cfg: DictConfig, pp_rank: int) -> tuple:
 class Pipeline:
     """The stages of this rank and their schedule; `forward_backward` replaces the loop's own."""
 
-    def __init__(self, rank_module: nn.Module, stages: list, cfg: DictConfig, mesh: DeviceMesh,
-                 device: torch.device):
-        p = cfg.parallel
+    def __init__(self, rank_module: nn.Module, stages: list, parallel, mesh: DeviceMesh, device: torch.device):
+        p = parallel
         self.rank_module = rank_module
         self.stages = stages
         self.modules = [module for _, module in stages]
@@ -95,7 +93,7 @@ class Pipeline:
         self.schedule_name = p.pp_schedule
         self.num_stages = p.pp * p.vpp
         self.microbatches = p.pp_microbatches
-        self.tied = cfg.model.tie_word_embeddings
+        self.tied = rank_module.cfg.tie_word_embeddings
         self.schedule = None
         self._ce, self._aux, self._scale = [], [], None
         self.tied_group = None
@@ -153,7 +151,7 @@ class Pipeline:
         """The whole model's forward (no schedule): stage after stage, hidden states sent point to point.
 
         Returns on every pipeline rank what Qwen3.forward returns: (ce_sum, aux) with labels, else logits.
-        Used for evaluation (the rank module's forward is this function). With sequence parallel, the
+        Used for evaluation (ParallelModel's call). With sequence parallel, the
         sequence length must divide by tp.
         """
         owner = {index: rank for rank in range(self.group.size()) for index in self._stages_of(rank)}

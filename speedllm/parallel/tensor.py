@@ -124,7 +124,10 @@ def shard_embedding_grad(model: nn.Module) -> None:
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Shard `model` (a Qwen3, possibly one pipeline stage of it) over the 1-D tensor-parallel mesh in place."""
+    """Shard `model` (a Qwen3, possibly one pipeline stage of it) over the 1-D tensor-parallel mesh in place.
+
+    Training needs the model built with `output_loss=vocab_parallel_output_loss` (speedllm.parallel.output_loss_for).
+    """
     tied = model.cfg.tie_word_embeddings and model.lm_head is not None and model.embed_tokens is not None
     plan = {name: style for name, style in root_plan(sequence_parallel).items() if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, plan)
@@ -132,5 +135,3 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> 
         model.lm_head.weight = model.embed_tokens.weight  # distributed separately above; one tensor again
     for layer in model.layers.values():
         parallelize_module(layer, tp_mesh, layer_plan(sequence_parallel))
-    if model.lm_head is not None:
-        model.output_loss = vocab_parallel_output_loss

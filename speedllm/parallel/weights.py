@@ -13,20 +13,18 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 
-def _full_model(cfg: DictConfig, device: torch.device) -> nn.Module:
+def _full_model(model_cfg, device: torch.device) -> nn.Module:
     from speedllm.models.qwen3 import Qwen3
 
     with torch.device("meta"):
-        model = Qwen3(cfg.model, ops=cfg.hardware.ops)
+        model = Qwen3(model_cfg)
     if device.type != "meta":
         model.to_empty(device=device)
-        if cfg.model.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight  # to_empty() unties shared weights
+        tie_embeddings(model)  # to_empty() unties shared weights
     return model
 
 
@@ -38,19 +36,20 @@ def tie_embeddings(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def init_from_rank0(modules: list, cfg: DictConfig, device: torch.device) -> None:
+def init_from_rank0(modules: list, model_cfg, device: torch.device) -> None:
     """Fill the (already materialized) parallel `modules` of this rank with rank 0's single-process init.
 
     Args:
         modules: this rank's model parts (one Qwen3, or several pipeline stages); every rank calls this.
+        model_cfg: the architecture (schema ModelConfig).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
-        full = _full_model(cfg, torch.device("cpu"))
+        full = _full_model(model_cfg, torch.device("cpu"))
         full.init_weights()
         source = full.state_dict(keep_vars=True)
     else:
-        source = _full_model(cfg, torch.device("meta")).state_dict(keep_vars=True)
+        source = _full_model(model_cfg, torch.device("meta")).state_dict(keep_vars=True)
     targets = {}
     for module in modules:
         # names as in the unwrapped model (activation recompute wraps layers)

@@ -4,8 +4,6 @@ from omegaconf import DictConfig
 
 from speedllm.errors import UserError
 
-TRAIN_TASKS = ("pretrain", "sft")
-
 
 def choose_layout(cfg: DictConfig) -> None:
     """parallel=auto: fill cfg.parallel (and train.micro_batch_size / train.recompute when training) in place
@@ -16,7 +14,7 @@ def choose_layout(cfg: DictConfig) -> None:
 
     world = device_count(cfg)
     planner = Planner(problem_from_config(cfg, world))
-    train = cfg.task.name in TRAIN_TASKS
+    train = not cfg.task.inference
     best = planner.search().best if train else planner.inference_layout(cfg.generate.batch_size,
                                                                          cfg.generate.max_new_tokens)
     if best is None:

@@ -60,8 +60,3 @@ def stage_layers(num_layers: int, stages: int, explicit=None) -> List[int]:
     for i in range(start, start + extra):
         sizes[i] += 1
     return sizes
-
-
-def rank_stages(pp: int, vpp: int) -> List[List[int]]:
-    """Stage indices each pipeline rank runs: rank r holds stages r, r + pp, r + 2 pp, ... (interleaved order)."""
-    return [[r + v * pp for v in range(vpp)] for r in range(pp)]

@@ -132,30 +132,30 @@ def measure_training_step(cfg, rt) -> dict:
     Returns the parameter elements held, the bytes of weights, gradients (as the update sees them) and
     AdamW states, and the peak bytes of live tensors during the second step.
     """
-    from speedllm.train.loop import autocast_for, build_model, dp_coords, grad_accum_steps, train_step
+    from speedllm.train.loop import autocast_for, build_model, grad_accum_steps, train_step
     from speedllm.train.optimizer import build_optimizer
     from speedllm.train.schedule import build_scheduler
 
-    model = build_model(cfg, rt)
-    optimizer = build_optimizer(model, cfg.optim)
+    pm = build_model(cfg, rt)
+    optimizer = build_optimizer(pm.module, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, 10)
-    dp_rank, dp_size, group = dp_coords(rt)
+    dp_rank, dp_size, group = rt.dims.coords("dp")
     t = cfg.train
     gen = torch.Generator().manual_seed(dp_rank)
     batches = [{k: torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len), generator=gen)
                 for k in ("tokens", "labels")} for _ in range(grad_accum_steps(t, dp_size))]
-    params = list(model.parameters())
+    params = list(pm.module.parameters())
     grad_bytes = []
     optimizer.register_step_pre_hook(
         lambda *_: grad_bytes.append(storage_bytes([p.grad for p in params if p.grad is not None])))
-    autocast = autocast_for(cfg, model, rt.device)
-    train_step(model, optimizer, scheduler, batches, cfg, dp_size, group, autocast)  # creates AdamW's states
+    autocast = autocast_for(cfg, pm, rt.device)
+    train_step(pm, optimizer, scheduler, batches, cfg, dp_size, group, autocast)  # creates AdamW's states
     states = optimizer_states(optimizer)
     tracker = PeakTensorMemory(existing=[*params, *states])
     with tracker:
-        train_step(model, optimizer, scheduler, batches, cfg, dp_size, group, autocast)
+        train_step(pm, optimizer, scheduler, batches, cfg, dp_size, group, autocast)
     return {"rank": rt.rank, "pp_rank": rt.mesh.get_coordinate()[0] if rt.mesh is not None else 0,
-            "held": held_numel(model), "param_bytes": storage_bytes(params), "grad_bytes": grad_bytes[-1],
+            "held": held_numel(pm.module), "param_bytes": storage_bytes(params), "grad_bytes": grad_bytes[-1],
             "optimizer_bytes": storage_bytes(states), "peak": tracker.peak}
 
 

@@ -25,12 +25,12 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from speedllm.ops.loss import chunk_rows
-from speedllm.planner.layout import Layout, rank_stages
+from speedllm.parallel.pipeline import stages_of_rank
+from speedllm.planner.layout import Layout
 from speedllm.train.optimizer import fused_adamw
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MASTER_BYTES = 4  # fp32 master weights and fp32 gradient reduction (the mixed-precision policy)
-ADAM_BYTES = 8  # AdamW: exp_avg and exp_avg_sq in the parameter's dtype (fp32)
 GIB = 2**30
 UPDATE_TEMPORARIES = 0.8  # foreach AdamW's intermediate tensors, in units of the fp32 parameters (fused: none)
 
@@ -132,8 +132,8 @@ def _chunk(n: int, k: int) -> int:
     return -(-n // k) if k > 1 else n
 
 
-def local_numel(t: Tensor, tp: int, ep: int, fsdp: int) -> int:
-    """Elements the first rank holds of tensor t after TP, EP and then FSDP (dim 0) sharding."""
+def local_shape(t: Tensor, tp: int, ep: int, fsdp: int) -> Tuple[int, ...]:
+    """Shape of the first rank's piece of tensor t after TP, EP and then FSDP (dim 0) sharding."""
     shape = list(t.shape)
     if t.expert and ep > 1:
         shape[0] = _chunk(shape[0], ep)
@@ -141,7 +141,12 @@ def local_numel(t: Tensor, tp: int, ep: int, fsdp: int) -> int:
         shape[t.tp_dim] = _chunk(shape[t.tp_dim], tp)
     if fsdp > 1:
         shape[0] = _chunk(shape[0], fsdp)
-    return math.prod(shape)
+    return tuple(shape)
+
+
+def adamw_state_numel(shape) -> int:
+    """AdamW's exp_avg and exp_avg_sq (the default optimizer; speedllm.train.optimizer.state_numel in general)."""
+    return 2 * math.prod(shape)
 
 
 def fsdp_degrees(layout: Layout) -> Tuple[int, int]:
@@ -153,9 +158,10 @@ def fsdp_degrees(layout: Layout) -> Tuple[int, int]:
     return layout.dp * layout.cp, layout.dp * layout.cp // layout.ep
 
 
-def _tensors_numel(tensors, layout: Layout, sharded: bool) -> int:
+def _tensors_numel(tensors, layout: Layout, sharded: bool, per_shape=math.prod) -> int:
+    """Sum of `per_shape` (elements by default) over the first rank's pieces of `tensors`."""
     dense, expert = fsdp_degrees(layout) if sharded else (1, 1)
-    return sum(local_numel(t, layout.tp, layout.ep, expert if t.expert else dense) for t in tensors)
+    return sum(per_shape(local_shape(t, layout.tp, layout.ep, expert if t.expert else dense)) for t in tensors)
 
 
 @dataclass
@@ -164,6 +170,7 @@ class StageParams:
     for compute), plus the largest single layer gathered."""
 
     sharded: int = 0
+    optimizer_state: int = 0  # elements of the optimizer's per-parameter state over the sharded pieces
     gathered: int = 0
     root_gathered: int = 0  # embedding / final norm / lm_head: the root FSDP unit, kept through the step
     max_layer_gathered: int = 0
@@ -174,19 +181,26 @@ class StageParams:
     per_stage_layers: List[int] = field(default_factory=list)
 
 
-def rank_params(mt: ModelTensors, layout: Layout, layer_split: List[int], pp_rank: int) -> StageParams:
-    """What pipeline rank `pp_rank` holds under `layout`, given the layers per stage (pp * vpp stages)."""
+def rank_params(mt: ModelTensors, layout: Layout, layer_split: List[int], pp_rank: int,
+                state_numel=adamw_state_numel) -> StageParams:
+    """What pipeline rank `pp_rank` holds under `layout`, given the layers per stage (pp * vpp stages).
+
+    Args:
+        state_numel: optimizer state elements kept for a parameter piece of a given shape.
+    """
     sp = StageParams()
     starts = [sum(layer_split[:i]) for i in range(len(layer_split))]
     last = len(layer_split) - 1
     kind_sharded = [_tensors_numel(kind, layout, True) for kind in mt.layer_kinds]
+    kind_state = [_tensors_numel(kind, layout, True, state_numel) for kind in mt.layer_kinds]
     kind_gathered = [_tensors_numel(kind, layout, False) for kind in mt.layer_kinds]
-    for stage in rank_stages(layout.pp, layout.vpp)[pp_rank]:
+    for stage in stages_of_rank(pp_rank, layout.pp, layout.vpp, layout.schedule):
         layers = range(starts[stage], starts[stage] + layer_split[stage])
         sp.per_stage_layers.append(len(layers))
         for layer in layers:
             kind = mt.layer_kind[layer]
             sp.sharded += kind_sharded[kind]
+            sp.optimizer_state += kind_state[kind]
             gathered = kind_gathered[kind]
             sp.gathered += gathered
             sp.max_layer_gathered = max(sp.max_layer_gathered, gathered)
@@ -203,6 +217,7 @@ def rank_params(mt: ModelTensors, layout: Layout, layer_split: List[int], pp_ran
                 root += mt.embed
             sp.has_head = True
         sp.sharded += _tensors_numel(root, layout, True)
+        sp.optimizer_state += _tensors_numel(root, layout, True, state_numel)
         root_gathered = _tensors_numel(root, layout, False)
         sp.gathered += root_gathered
         sp.root_gathered += root_gathered
@@ -340,7 +355,7 @@ def rank_memory(m, layout: Layout, sp: StageParams, pp_rank: int, seq_len: int,
     mem = Memory(pp_rank=pp_rank)
     mem.params = sp.sharded * MASTER_BYTES
     mem.grads = sp.sharded * MASTER_BYTES
-    mem.optimizer = sp.sharded * ADAM_BYTES
+    mem.optimizer = sp.optimizer_state * MASTER_BYTES  # fp32 states
     mem.update_temporaries = 0.0 if fused_adamw(device) else sp.sharded * MASTER_BYTES * UPDATE_TEMPORARIES
     accumulating = num_micro > 1 or layout.pp > 1
     dense_fsdp, _ = fsdp_degrees(layout)

@@ -1,24 +1,27 @@
 """Search the layouts of a model on a device count: every valid tp, pp, vpp, dp, ep, cp, micro batch and
 recompute policy is costed (memory of its busiest rank, step time) and ranked by estimated throughput.
 
-Structural rules mirror speedllm.config.validate (heads % tp, layers vs pp, experts % ep, batch divisibility)
-and the combinations speedllm.parallel.parallelize builds, plus two of the planner's own: tensor parallel stays inside a node (it is on the critical path of every layer)
-and a pipeline gets at least pp micro-batches per step (interleaving needs a multiple of pp, as torch's
+Structural rules are validation's own (speedllm.config.rules.layout_errors: heads % tp, stages, experts % ep,
+the combinations speedllm.parallel.parallelize builds), with the planner's uneven stage split spelled out as
+parallel.pp_layers; then batch divisibility and two rules of the planner's own: tensor parallel stays inside a
+node (it is on the critical path of every layer) and a pipeline gets at least pp micro-batches per step (interleaving needs a multiple of pp, as torch's
 Interleaved1F1B and MindSpeed do).
 """
 
 from collections import Counter
+from functools import partial
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Dict, List, Optional
 
 from omegaconf import OmegaConf
 
+from speedllm.config.rules import divisors, layout_errors
 from speedllm.planner.layout import Layout, stage_layers
-from speedllm.planner.memory import (DTYPE_BYTES, GIB, Memory, layer_activation_bytes, model_tensors, rank_memory,
-                                     rank_params, tp_facts)
+from speedllm.planner.memory import (DTYPE_BYTES, GIB, Memory, adamw_state_numel, layer_activation_bytes,
+                                     model_tensors, rank_memory, rank_params, tp_facts)
 from speedllm.planner.timing import StepTime, step_time
 from speedllm.train.metrics import flops_per_token
+from speedllm.train.optimizer import state_numel
 
 MICRO_BATCHES = (1, 2, 4, 8)
 RECOMPUTE = ("none", "selective", "full")
@@ -37,6 +40,7 @@ class Problem:
     loss_chunk: int = 0  # train.loss_chunk_size
     efficiency: float = 0.6
     memory_margin: float = 0.1
+    optim: object = None  # OptimConfig fields; None: AdamW
 
     @property
     def capacity(self) -> float:
@@ -67,17 +71,14 @@ class SearchResult:
         return self.fitting[0] if self.fitting else None
 
 
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 class Planner:
     """Costs layouts of one Problem; per-rank parameter counts are cached by placement."""
 
     def __init__(self, problem: Problem):
-        # plain attributes: the search reads config fields millions of times, and DictConfig access is slow
-        problem.model, problem.hardware = plain(problem.model), plain(problem.hardware)
+        # typed objects: the search reads config fields millions of times, and DictConfig access is slow
+        problem.model, problem.hardware = as_object(problem.model), as_object(problem.hardware)
         self.p = problem
+        self.state_numel = adamw_state_numel if problem.optim is None else partial(state_numel, problem.optim)
         self.mt = model_tensors(problem.model)
         self.tp_facts = tp_facts(self.mt)
         self._params = {}
@@ -88,7 +89,7 @@ class Planner:
     def rank_params(self, layout: Layout, split: List[int]) -> list:
         key = (layout.tp, layout.pp, layout.vpp, layout.dp, layout.ep, layout.cp, layout.fsdp, tuple(split))
         if key not in self._params:
-            self._params[key] = [rank_params(self.mt, layout, split, r) for r in range(layout.pp)]
+            self._params[key] = [rank_params(self.mt, layout, split, r, self.state_numel) for r in range(layout.pp)]
         return self._params[key]
 
     def rank_memories(self, layout: Layout, explicit_split=None) -> List[Memory]:
@@ -122,17 +123,17 @@ class Planner:
         return Estimate(layout, memory, time, tokens_per_s, mfu, time.bubble / time.total, fits, reason)
 
     def invalid_reason(self, layout: Layout) -> Optional[str]:
-        """Why a layout cannot run (None: it can), in the words of the config key to change."""
+        """Why a layout cannot run (None: it can), in the words of the config key to change: the layout rules
+        validation applies (speedllm.config.rules), then what makes a training step impossible on paper."""
         m, p, hw = self.p.model, self.p, self.p.hardware
-        for key in ("num_attention_heads", "num_key_value_heads"):
-            if getattr(m, key) % layout.tp:
-                return f"tp={layout.tp} does not divide {key}={getattr(m, key)}"
+        errors = layout_errors(m, tp=layout.tp, pp=layout.pp, vpp=layout.vpp, ep=layout.ep, cp=layout.cp,
+                               dp=layout.dp, schedule=layout.schedule, pp_layers=self.split(layout))
+        if errors:
+            return errors[0]
         if layout.tp > hw.devices_per_node:
             return f"tp={layout.tp} would span nodes ({hw.devices_per_node} devices per node)"
         if p.seq_len % layout.tp or p.seq_len % (2 * layout.cp):
             return f"seq_len={p.seq_len} does not split over tp x 2cp"
-        if layout.pp * layout.vpp > m.num_hidden_layers:
-            return f"pp x vpp={layout.pp * layout.vpp} exceeds num_hidden_layers={m.num_hidden_layers}"
         if p.global_batch % (layout.micro_batch * layout.dp):
             return f"global batch {p.global_batch} is not divisible by micro batch x dp"
         num_micro = p.global_batch // (layout.micro_batch * layout.dp)
@@ -140,23 +141,16 @@ class Planner:
             return "fewer micro-batches than pipeline stages"
         if layout.vpp > 1 and num_micro % layout.pp:
             return "interleaved pipeline needs micro-batches divisible by pp"
-        if layout.ep > 1 and (m.num_experts % layout.ep or (layout.dp * layout.cp) % layout.ep):
-            return f"ep={layout.ep} does not divide num_experts and dp x cp"
-        # combinations speedllm.parallel.parallelize does not build (yet)
-        if m.num_experts and (layout.tp > 1 or layout.pp > 1):
-            return "MoE models run with tp=1 and pp=1 (experts use ep)"
-        if layout.cp > 1 and (m.num_experts or layout.pp > 1):
-            return "context parallel needs a dense model and pp=1"
         return None
 
     def layouts(self):
         """Every combination of degrees whose product is the device count."""
         m, world = self.p.model, self.p.world
-        experts = _divisors(m.num_experts) if m.num_experts else [1]
-        cps = [c for c in _divisors(world) if c <= 8 and (c == 1 or self.p.seq_len >= 8192)]
-        for tp in _divisors(world):
+        experts = divisors(m.num_experts) if m.num_experts else [1]
+        cps = [c for c in divisors(world) if c <= 8 and (c == 1 or self.p.seq_len >= 8192)]
+        for tp in divisors(world):
             for cp in [c for c in cps if (world // tp) % c == 0]:
-                for pp in _divisors(world // (tp * cp)):
+                for pp in divisors(world // (tp * cp)):
                     dp = world // (tp * cp * pp)
                     for vpp in VIRTUAL_STAGES if pp > 1 else (1,):
                         schedule = "Interleaved1F1B" if vpp > 1 else "1F1B"
@@ -173,7 +167,7 @@ class Planner:
         m, p = self.p.model, self.p
         e = DTYPE_BYTES[p.hardware.dtype]
         length = p.seq_len + new_tokens
-        options = sorted((tp * pp, pp, tp) for tp in _divisors(p.world) for pp in _divisors(p.world // tp))
+        options = sorted((tp * pp, pp, tp) for tp in divisors(p.world) for pp in divisors(p.world // tp))
         for _, pp, tp in options:
             layout = Layout(dp=p.world // (tp * pp), tp=tp, pp=pp, micro_batch=batch, fsdp=False)
             if (m.num_attention_heads % tp or m.num_key_value_heads % tp or tp > p.hardware.devices_per_node
@@ -203,12 +197,9 @@ class Planner:
         return SearchResult(sorted(fitting, key=order), sorted(too_big, key=order), dict(invalid))
 
 
-def plain(cfg) -> SimpleNamespace:
-    """A config node as a plain namespace (nested dicts such as peak_tflops stay dicts)."""
-    if isinstance(cfg, SimpleNamespace):
-        return cfg
-    items = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else vars(cfg)
-    return SimpleNamespace(**items)
+def as_object(node):
+    """A config node as its schema's dataclass (a composed, untyped-yet config comes as DictConfig)."""
+    return OmegaConf.to_object(node) if OmegaConf.is_config(node) else node
 
 
 def largest(memory: Memory) -> str:
@@ -223,4 +214,4 @@ def problem_from_config(cfg, world: int) -> Problem:
     """The planning problem a composed config describes, on `world` devices."""
     return Problem(model=cfg.model, hardware=cfg.hardware, world=world, seq_len=cfg.train.seq_len,
                    global_batch=cfg.train.global_batch_size, loss_chunk=cfg.train.loss_chunk_size,
-                   efficiency=cfg.plan.compute_efficiency, memory_margin=cfg.plan.memory_margin)
+                   efficiency=cfg.plan.compute_efficiency, memory_margin=cfg.plan.memory_margin, optim=cfg.optim)

@@ -20,60 +20,46 @@ from typing import Dict, List
 import numpy as np
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 from torch import nn
 
 from speedllm.checkpoint.dcp import load_checkpoint, resolve_load, save_checkpoint
 from speedllm.checkpoint.hf import load_hf_weights
-from speedllm.errors import UserError
 from speedllm.hardware import DTYPES
-from speedllm.parallel import clip_grad_norm
+from speedllm.parallel import ParallelModel, clip_grad_norm, materialize, output_loss_for, parallelize
 from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.faults import BadSteps, Preemption
 from speedllm.train.metrics import MetricsLogger, flops_per_token, mfu, peak_memory_gb
-from speedllm.train.optimizer import build_optimizer
+from speedllm.train.optimizer import build_optimizer, check_resumable
 from speedllm.train.samples import print_samples
 from speedllm.train.schedule import build_scheduler
 
 IGNORE = -100
 
 
-def dp_coords(rt: Runtime) -> tuple:
-    """(dp_rank, dp_size, dp process group or None) of this rank."""
-    if rt.mesh is None:
-        return 0, 1, None
-    dp_mesh = rt.mesh["dp"]
-    return dp_mesh.get_local_rank(), dp_mesh.size(), dp_mesh.get_group()
+def grad_accum_steps(train, dp_size: int) -> int:
+    """Micro-batches per rank per step (validation made sure they divide)."""
+    return train.global_batch_size // (train.micro_batch_size * dp_size)
 
 
-def grad_accum_steps(train: DictConfig, dp_size: int) -> int:
-    """Micro-batches per rank per step."""
-    per_step = train.micro_batch_size * dp_size
-    if train.global_batch_size % per_step:
-        raise UserError(f"train.global_batch_size={train.global_batch_size} is not divisible by "
-                        f"train.micro_batch_size={train.micro_batch_size} x dp={dp_size}; use a multiple of {per_step}")
-    return train.global_batch_size // per_step
-
-
-def build_model(cfg: DictConfig, rt: Runtime) -> nn.Module:
+def build_model(cfg, rt: Runtime) -> ParallelModel:
     """Qwen3 built on the meta device, parallelized, then materialized and initialized on this rank's device."""
     from speedllm.models.qwen3 import Qwen3
-    from speedllm.parallel import materialize, parallelize
 
+    dims = rt.dims
     with torch.device("meta"):
-        model = Qwen3(cfg.model, ops=cfg.hardware.ops)
-    model.loss_chunk_size = cfg.train.loss_chunk_size
-    model = parallelize(model, cfg, rt)
-    materialize(model, cfg, rt)
-    return model
+        model = Qwen3(cfg.model, ops=cfg.hardware.ops, output_loss=output_loss_for(dims),
+                      loss_chunk_size=cfg.train.loss_chunk_size)
+    pm = parallelize(model, dims, cfg.parallel, cfg.train, DTYPES[cfg.hardware.dtype], rt.device)
+    materialize(pm, dims, rt.device)
+    return pm
 
 
-def autocast_for(cfg: DictConfig, model: nn.Module, device: torch.device):
+def autocast_for(cfg, pm: ParallelModel, device: torch.device):
     """bf16/fp16 compute over fp32 master weights. FSDP2 applies its own mixed-precision policy instead."""
     from torch.distributed.fsdp import FSDPModule
 
     dtype = DTYPES[cfg.hardware.dtype]
-    if dtype == torch.float32 or isinstance(model, FSDPModule):
+    if dtype == torch.float32 or isinstance(pm.module, FSDPModule):
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype)
 
@@ -118,19 +104,18 @@ def forward_backward(model: nn.Module, micro_batches: List[dict], num_targets: t
     return ce_total, aux_total
 
 
-def train_step(model, optimizer, scheduler, micro_batches, cfg, dp_size, group, autocast) -> tuple:
+def train_step(pm: ParallelModel, optimizer, scheduler, micro_batches, cfg, dp_size, group, autocast) -> tuple:
     """One optimizer step. Returns (loss, grad_norm, ok); a non-finite loss or gradient skips the update."""
     num_targets = count_targets(micro_batches, group)
-    pipeline = getattr(model, "pipeline", None)  # pipeline parallel runs its own schedule
-    if pipeline is not None:
-        ce_sum, aux_sum = pipeline.forward_backward(micro_batches, num_targets, dp_size)
+    if pm.pipeline is not None:  # pipeline parallel runs its own schedule
+        ce_sum, aux_sum = pm.pipeline.forward_backward(micro_batches, num_targets, dp_size)
     else:
-        ce_sum, aux_sum = forward_backward(model, micro_batches, num_targets, dp_size, autocast)
+        ce_sum, aux_sum = forward_backward(pm.module, micro_batches, num_targets, dp_size, autocast)
     reported = torch.stack([ce_sum, aux_sum])
     if group is not None:
         dist.all_reduce(reported, group=group)
     loss = reported[0] / num_targets + reported[1] / (len(micro_batches) * dp_size)
-    grad_norm = clip_grad_norm(model, cfg.train.grad_clip)
+    grad_norm = clip_grad_norm(pm, cfg.train.grad_clip)
     ok = bool(torch.isfinite(loss) and torch.isfinite(grad_norm))
     if ok:
         optimizer.step()
@@ -142,20 +127,20 @@ def train_step(model, optimizer, scheduler, micro_batches, cfg, dp_size, group, 
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, cfg: DictConfig, dp_rank: int, dp_size: int, group, device, autocast) -> float:
+def evaluate(pm: ParallelModel, cfg, dp_rank: int, dp_size: int, group, device, autocast) -> float:
     """Mean token cross-entropy over the first train.eval_steps micro-batches of the valid split."""
     from speedllm.data.loader import build_loader
 
     t = cfg.train
     loader = build_loader(cfg, "valid", dp_rank, dp_size, t.micro_batch_size, t.seq_len, cfg.seed)
     totals = torch.zeros(2, device=device)
-    model.eval()
+    pm.eval()
     for _, batch in zip(range(t.eval_steps), loader):
         batch = to_device(batch, device)
         with autocast:
-            ce_sum, _ = model(batch["tokens"], **model_inputs(batch))
+            ce_sum, _ = pm(batch["tokens"], **model_inputs(batch))
         totals += torch.stack([ce_sum.float(), (batch["labels"] != IGNORE).sum().float()])
-    model.train()
+    pm.train()
     if group is not None:
         dist.all_reduce(totals, group=group)
     return (totals[0] / totals[1]).item()
@@ -180,31 +165,32 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         getattr(torch, device.type).set_rng_state(state["device"], device)
 
 
-def load_request(cfg: DictConfig):
+def load_request(cfg):
     """checkpoint.load, or `auto` when the elastic agent restarted this job after a failure."""
     if cfg.checkpoint.load is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return "auto"
     return cfg.checkpoint.load
 
 
-def run(cfg: DictConfig, rt: Runtime) -> None:
+def run(cfg, rt: Runtime) -> None:
     """Train (task=pretrain) or fine-tune (task=sft) per cfg; checkpoints, metrics and samples go to the run dir."""
     from speedllm.data.loader import build_loader
 
     t, ck = cfg.train, cfg.checkpoint
     seed_everything(cfg.seed)
-    dp_rank, dp_size, group = dp_coords(rt)
+    dp_rank, dp_size, group = rt.dims.coords("dp")
     accum = grad_accum_steps(t, dp_size)
-    model = build_model(cfg, rt)
-    optimizer = build_optimizer(model, cfg.optim)
+    pm = build_model(cfg, rt)
+    optimizer = build_optimizer(pm.module, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, t.steps)
     loader = build_loader(cfg, "train", dp_rank, dp_size, t.micro_batch_size, t.seq_len, cfg.seed)
-    autocast = autocast_for(cfg, model, rt.device)
+    autocast = autocast_for(cfg, pm, rt.device)
 
     step = 0
     resume_from = resolve_load(load_request(cfg), ck.dir)
     if resume_from is not None:
-        extra = load_checkpoint(resume_from, model, optimizer)
+        check_resumable(resume_from, cfg.optim)
+        extra = load_checkpoint(resume_from, pm.module, optimizer)
         step = extra["step"]
         scheduler.load_state_dict(extra["scheduler"])
         loader.load_state_dict(extra["loader"])
@@ -212,14 +198,12 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
         if rt.is_main:
             print(f"resumed from {resume_from} at step {step}")
     elif ck.load_hf is not None:  # fine-tune from Hugging Face weights (a resume takes precedence)
-        from speedllm.parallel import model_parts
-
-        load_hf_weights(model_parts(model), ck.load_hf)
+        load_hf_weights(pm.parts, ck.load_hf)
 
     def checkpoint() -> None:
         extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
                  "rng": rng_state(rt.device)}
-        save_checkpoint(ck.dir, step, model, optimizer, extra, cfg, ck.keep)
+        save_checkpoint(ck.dir, step, pm.module, optimizer, extra, cfg, ck.keep)
 
     tokens_per_step = t.global_batch_size * t.seq_len
     flops_tok = flops_per_token(cfg.model, t.seq_len)
@@ -235,7 +219,7 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
                 start = time.perf_counter()
                 lr = scheduler.get_last_lr()[0]
                 micro_batches = [to_device(next(loader), rt.device) for _ in range(accum)]  # endless loader
-                loss, grad_norm, ok = train_step(model, optimizer, scheduler, micro_batches, cfg, dp_size, group,
+                loss, grad_norm, ok = train_step(pm, optimizer, scheduler, micro_batches, cfg, dp_size, group,
                                                  autocast)
                 step += 1
                 window_time += time.perf_counter() - start  # .item() above synchronized the device
@@ -255,7 +239,7 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
                         "peak_mem_gb": peak_memory_gb(rt.device), "skipped_steps": bad.total})
                     window_losses, window_time, window_steps = [], 0.0, 0
                 if t.eval_every > 0 and step % t.eval_every == 0:
-                    valid_loss = evaluate(model, cfg, dp_rank, dp_size, group, rt.device, autocast)
+                    valid_loss = evaluate(pm, cfg, dp_rank, dp_size, group, rt.device, autocast)
                     logger.log(step, {"loss": valid_loss, "ppl": math.exp(min(valid_loss, 50.0))}, prefix="valid")
                 if ck.every > 0 and step % ck.every == 0 and bad.in_a_row == 0:  # never save a suspect state
                     checkpoint()
@@ -268,7 +252,7 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
     finally:
         logger.close()
     if step >= t.steps and cfg.generate.num_samples > 0:
-        if getattr(model, "pipeline", None) is None:
-            print_samples(model, cfg, rt.is_main)
+        if pm.pipeline is None:
+            print_samples(pm.module, cfg, rt.is_main)
         elif rt.is_main:
             print("samples skipped: generation does not run on pipeline stages (parallel.pp > 1)")

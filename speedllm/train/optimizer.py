@@ -1,10 +1,24 @@
-"""AdamW with two parameter groups: decayed matrices, and undecayed norms / biases (/ embeddings)."""
+"""The optimizer of the `optim` config group over two parameter groups: decayed matrices, and undecayed
+norms / biases (/ embeddings).
+
+conf/optim/<name>.yaml names a torch optimizer class (`_target_`) and its keyword arguments; Hydra instantiates
+it with `_partial_: true` and the code supplies the parameter groups.
+"""
+
+import dataclasses
+import inspect
+import math
+from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from hydra.utils import get_class, instantiate
+from omegaconf import OmegaConf
 from torch import nn
 
 from speedllm.errors import UserError
+
+# fields of the optim group that belong to the learning-rate schedule or to us, not to the optimizer class
+NOT_OPTIMIZER_ARGS = ("name", "min_lr", "schedule", "warmup_steps", "decay_fraction", "decay_embeddings")
 
 
 def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool) -> list:
@@ -46,8 +60,31 @@ def _split_by_mesh(groups: list) -> list:
     return split
 
 
+def optimizer_args(optim) -> dict:
+    """The optim group as Hydra instantiates it: `_target_`, `_partial_` and the class's keyword arguments."""
+    fields = OmegaConf.to_container(optim, resolve=True) if OmegaConf.is_config(optim) else dataclasses.asdict(optim)
+    return {k: v for k, v in fields.items() if k not in NOT_OPTIMIZER_ARGS}
+
+
+def optimizer_errors(optim) -> list:
+    """One-line problems with the optim group's `_target_` and arguments (empty when it can be built)."""
+    try:
+        cls = get_class(optim._target_)
+    except Exception as e:  # hydra wraps import and attribute errors alike
+        return [f"optim._target_={optim._target_} cannot be imported ({str(e).splitlines()[0]}); "
+                "use optim=adamw|sgd|adafactor or a torch.optim class path"]
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        return [f"optim._target_={optim._target_} is not a torch.optim.Optimizer; use optim=adamw|sgd|adafactor"]
+    accepted = inspect.signature(cls).parameters
+    unknown = [k for k in optimizer_args(optim) if not k.startswith("_") and k not in accepted]
+    if unknown:
+        return [f"optim.{unknown[0]} is not an argument of {optim._target_}; pick the optimizer's own group "
+                f"(optim=adamw|sgd|adafactor) instead of overriding optim._target_"]
+    return []
+
+
 def fused_adamw(device_type: str) -> bool:
-    """Whether AdamW runs torch's fused kernel on this device type (else the foreach path).
+    """Whether AdamW with `fused: null` (the adamw group's default) runs torch's fused kernel on this device type.
 
     Fused: one pass over each parameter, its gradient and moments, no temporaries (DTensor parameters too).
     Foreach makes ~10 passes and intermediate tensors: on the 2-core CPU box it took 0.25 s a step for 42M
@@ -56,11 +93,43 @@ def fused_adamw(device_type: str) -> bool:
     return device_type in ("cpu", "cuda")
 
 
-def build_optimizer(model: nn.Module, optim: DictConfig) -> torch.optim.Optimizer:
-    """AdamW from the `optim` config group (lr is the peak; the scheduler scales it per step)."""
-    if optim.name != "adamw":
-        raise UserError(f"optim.name={optim.name!r} is not supported; use optim.name=adamw")
+def build_optimizer(model: nn.Module, optim) -> torch.optim.Optimizer:
+    """The `optim` group's optimizer over `model`'s parameter groups (lr is the peak; the scheduler scales it).
+
+    `fused: null` lets the device decide between the fused and the foreach kernels (fused_adamw).
+    """
     groups = param_groups(model, optim.weight_decay, optim.decay_embeddings)
-    fused = fused_adamw(next(model.parameters()).device.type)
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, fused=fused,
-                             foreach=not fused)
+    args = optimizer_args(optim)
+    if "fused" in args and args["fused"] is None:
+        args["fused"] = fused_adamw(next(model.parameters()).device.type)
+        args["foreach"] = not args["fused"]
+    return instantiate({**args, "_convert_": "all"})(groups)
+
+
+def check_resumable(checkpoint: Path, optim) -> None:
+    """Optimizer state loads only into the optimizer that saved it: refuse another one in one line."""
+    frozen = checkpoint / "config.yaml"
+    if not frozen.is_file():
+        return
+    saved = OmegaConf.select(OmegaConf.load(frozen), "optim._target_", default="torch.optim.AdamW")
+    if saved != optim._target_:
+        raise UserError(f"checkpoint {checkpoint} was saved with optimizer {saved} but this run uses "
+                        f"{optim._target_} (optim={optim.name}); resume with the optimizer it was saved with, or "
+                        "start from its weights with task=convert convert.to=hf and checkpoint.load_hf")
+
+
+def state_numel(optim, shape) -> int:
+    """Elements of the per-parameter state tensors `optim` keeps for a parameter (or shard) of `shape`;
+    scalar step counters left out. The planner's optimizer bytes are these times 4 (fp32)."""
+    numel = math.prod(shape)
+    name = optim._target_.rsplit(".", 1)[-1]
+    if name in ("AdamW", "Adam"):
+        return 2 * numel
+    if name == "SGD":
+        return numel if optim.momentum else 0
+    if name == "Adafactor":  # factored second moment of the last two dims: rows + columns
+        if len(shape) < 2:
+            return numel
+        return math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]
+    raise UserError(f"optim._target_={optim._target_}: the planner knows the state size of AdamW, Adam, SGD and "
+                    "Adafactor; plan with one of those")

@@ -1,0 +1,76 @@
+"""The rules a parallel layout must follow, as pure functions returning one-line messages (empty: it can run).
+
+One home for them: validation raises the first message before any process starts, the planner's search skips
+layouts that break one, and the tests assert the messages. Each message names the key(s) and the fix.
+"""
+
+from typing import List, Optional, Sequence
+
+INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+V_SCHEDULES = ("ZBVZeroBubble",)  # two stages per pipeline rank, placed in a V (speedllm.parallel.pipeline)
+
+
+def divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _set(values: Sequence[int]) -> str:
+    return "{" + ", ".join(map(str, values)) + "}"
+
+
+def layout_errors(model, *, tp: int, pp: int, vpp: int, ep: int, cp: int, dp: int, schedule: str,
+                  pp_layers: Optional[Sequence[int]] = None) -> List[str]:
+    """What keeps `model` (schema ModelConfig fields) from training under these degrees; dp >= 1."""
+    m, name = model, model.name
+    errors = [f"parallel.{key}={value} must be >= 1"
+              for key, value in (("tp", tp), ("pp", pp), ("vpp", vpp), ("ep", ep), ("cp", cp), ("dp", dp))
+              if value < 1]
+    if errors:
+        return errors
+    for heads_key in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(m, heads_key)
+        if heads % tp:
+            errors.append(f"parallel.tp={tp} does not divide {heads_key}={heads} of model {name}; "
+                          f"use tp in {_set(divisors(m.num_key_value_heads))}")
+    stages = pp * vpp
+    if pp_layers is not None:
+        if len(pp_layers) != stages or sum(pp_layers) != m.num_hidden_layers or min(pp_layers) < 1:
+            errors.append(f"parallel.pp_layers={list(pp_layers)} must list {stages} stage sizes (pp*vpp) of at "
+                          f"least 1 that sum to num_hidden_layers={m.num_hidden_layers} of model {name}")
+    elif m.num_hidden_layers % stages:
+        errors.append(f"model.num_hidden_layers={m.num_hidden_layers} of model {name} cannot be split evenly over "
+                      f"parallel.pp={pp} x parallel.vpp={vpp} = {stages} stages; use pp*vpp in "
+                      f"{_set(divisors(m.num_hidden_layers))} or list the layers per stage in parallel.pp_layers")
+    if vpp > 1 and schedule not in INTERLEAVED:
+        errors.append(f"parallel.vpp={vpp} needs an interleaved schedule; set parallel.pp_schedule to one of "
+                      f"{', '.join(INTERLEAVED)} (or vpp=1)")
+    if schedule in V_SCHEDULES and pp > 1 and vpp != 2:
+        errors.append(f"parallel.pp_schedule={schedule} places two stages per rank in a V; set parallel.vpp=2")
+    if ep > 1:
+        if m.num_experts == 0:
+            errors.append(f"parallel.ep={ep} needs a MoE model but {name} is dense; set parallel.ep=1")
+        elif m.num_experts % ep:
+            errors.append(f"parallel.ep={ep} does not divide num_experts={m.num_experts} of model {name}; "
+                          f"use ep in {_set(divisors(m.num_experts))}")
+        if (dp * cp) % ep:
+            errors.append(f"parallel.ep={ep} must divide parallel.dp x parallel.cp = {dp * cp} "
+                          f"(experts are spread over the data/context ranks); raise dp or lower ep")
+    # combinations speedllm.parallel.parallelize does not build
+    if m.num_experts > 0 and tp > 1:
+        errors.append(f"parallel.tp={tp} with MoE model {name} is not supported; use parallel.ep for the experts "
+                      "and parallel.tp=1")
+    if m.num_experts > 0 and pp > 1:
+        errors.append(f"parallel.pp={pp} with MoE model {name} is not supported (the load-balancing loss spans all "
+                      "layers); use parallel.pp=1 and parallel.ep for the experts")
+    if cp > 1 and (pp > 1 or m.num_experts > 0):
+        errors.append(f"parallel.cp={cp} works with dense models without pipeline stages; set parallel.cp=1 "
+                      "or use parallel.pp=1 and a dense model")
+    return errors
+
+
+def inference_layout_errors(task: str, *, pp: int, cp: int, ep: int) -> List[str]:
+    """Inference places the model with tensor parallelism only; data-parallel ranks split the prompts."""
+    if pp > 1 or cp > 1 or ep > 1:
+        return [f"task={task} runs tensor and data parallel only, not parallel.pp={pp} / cp={cp} / ep={ep}; "
+                "use parallel=tp2 (or tp8, dp2, single) for inference"]
+    return []
