@@ -35,16 +35,16 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_model import BATCH, CONFIGS, SEQ, model_cfg  # noqa: E402
 
-from speedllm.config.schema import OptimConfig  # noqa: E402
+from speedllm.config.schema import AdamWConfig  # noqa: E402
 from speedllm.models import Qwen3  # noqa: E402
 from speedllm.models.hf_adapter import from_hf_state_dict, hf_config  # noqa: E402
-from speedllm.parallel import clip_grad_norm  # noqa: E402
+from speedllm.parallel import ParallelModel, clip_grad_norm  # noqa: E402
 from speedllm.train.metrics import peak_memory_gb  # noqa: E402
 from speedllm.train.optimizer import build_optimizer  # noqa: E402
 
 SYSTEMS = ("ours", "torchtitan", "torchtitan_chunked", "transformers")
 GRAD_CLIP = 1.0
-OPTIM = OmegaConf.structured(OptimConfig)  # our defaults; the peers get the same lr, betas, eps, decay
+OPTIM = OmegaConf.structured(AdamWConfig)  # our defaults; the peers get the same lr, betas, eps, decay
 
 
 def have_torchtitan() -> bool:
@@ -118,7 +118,7 @@ def build(name: str, config: str, hf=None):
             (ce_sum / num_labels + aux).backward()
 
         def clip():
-            clip_grad_norm(model, GRAD_CLIP)
+            clip_grad_norm(ParallelModel(model, [model]), GRAD_CLIP)
     else:
         from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
         from torchtitan.distributed.utils import clip_grad_norm_

@@ -33,7 +33,7 @@ def test_gpu_benchmark_dry_run_writes_a_table_of_right_values(tmp_path):
     for what, ours, titan, *_ in train:
         assert "tok/s" in ours and 5.0 < loss(ours) < 7.5  # ~ln(512) at initialization
         if titan != "-":
-            assert abs(loss(titan) - loss(ours)) <= 1e-2 * loss(ours), what
+            assert abs(loss(titan) - loss(ours)) <= 1e-3 * loss(ours), what
     compiled_bf16, float8 = by_section["compiled"]
     assert abs(loss(compiled_bf16[1]) - loss(train[0][1])) <= 1e-2 * loss(train[0][1])
     assert float8[1] == "skipped"  # no sm89+ GPU here
