@@ -1,7 +1,7 @@
 """GPU benchmark: the `cuda` op set against `reference`, bf16 training steps of qwen3_0.6b and qwen3_1.7b (ours vs
 torchtitan), float8, and decoding, in one run that writes one table.
 
-    python benchmarks/gpu.py                      # on a CUDA machine: ~5 minutes on one H200, table in gpu_results.md
+    python benchmarks/gpu.py                      # on a CUDA machine (sized for < 8 min on one H200): gpu_results.md
     python benchmarks/gpu.py --dry --out t.md     # CPU: the same code path on tiny models (tests/test_gpu_bench.py)
 
 Sections (each row of the table says what it measured):
