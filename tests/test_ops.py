@@ -104,7 +104,7 @@ def test_cross_entropy_is_sum_ignoring_minus_100(impl, device):
     check(lambda logits: get_ops(impl).cross_entropy(logits, labels), expected, [rand(6, 10, device=device)], 1e-5)
 
 
-@pytest.mark.parametrize("chunk_size", [1, 5, 64])
+@pytest.mark.parametrize("chunk_size", [1, 5, 64, 0])
 def test_chunked_loss_equals_full_logits(chunk_size):
     hidden, weight = rand(23, 16), rand(50, 16)
     labels = torch.randint(0, 50, (23,))
@@ -118,9 +118,8 @@ def test_chunked_loss_equals_full_logits(chunk_size):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_chunked_loss_is_right_whatever_the_reused_buffer_held_before(device):
-    """The CPU logits buffer is shared by every call: calls of other shapes and dtypes in between change nothing.
-    (On a GPU this checks the in-place log-softmax against torch's out-of-place one.)"""
+def test_chunked_loss_in_place_log_softmax_over_shapes_and_dtypes(device):
+    """Calls of several shapes and dtypes in a row, each against torch's out-of-place cross-entropy."""
     labels = torch.randint(0, 50, (23,), device=device)
     labels[[2, 7, 8]] = -100
     for vocab, dtype, chunk_size in [(50, torch.float32, 64), (4096, torch.float32, 5), (50, torch.bfloat16, 7),
@@ -138,12 +137,40 @@ def test_chunked_loss_is_right_whatever_the_reused_buffer_held_before(device):
         torch.testing.assert_close(weight.grad.float(), w.grad, atol=tol, rtol=tol)
 
 
+def test_chunk_size_0_is_one_chunk_within_the_logits_budget(monkeypatch):
+    from speedllm.ops import loss
+
+    assert loss.chunk_rows(0, 1024, 32000) == 1024  # 125 MiB of logits: one fused cross-entropy
+    assert loss.chunk_rows(0, 1024, 151936) * 151936 * 4 <= loss.LOGITS_BUDGET_BYTES < 1024 * 151936 * 4
+    assert loss.chunk_rows(7, 1024, 151936) == 7  # an explicit size wins
+    monkeypatch.setattr(loss, "LOGITS_BUDGET_BYTES", 50 * 4 * 5)  # 5 rows of a 50-entry vocabulary
+    assert loss.chunk_rows(0, 23, 50) == 5
+    hidden, weight = rand(23, 16), rand(50, 16)
+    labels = torch.randint(0, 50, (23,))
+    full = lambda h, w: F.cross_entropy(h @ w.t(), labels, ignore_index=-100, reduction="sum")  # noqa: E731
+    check(lambda h, w: chunked_cross_entropy(h, w, labels, 0, reference.cross_entropy), full, [hidden, weight], 1e-4)
+
+
 def test_chunked_loss_keeps_no_full_logits():
     """What the loss keeps for backward is the gradients of hidden and weight, not N x V logits."""
     hidden, weight = rand(512, 8).requires_grad_(), rand(4096, 8).requires_grad_()
     labels = torch.randint(0, 4096, (512,))
     loss = chunked_cross_entropy(hidden, weight, labels, 64, reference.cross_entropy)
     assert sorted(t.shape for t in loss.grad_fn.saved_tensors) == [hidden.shape, weight.shape]
+
+
+def test_chunked_loss_with_a_frozen_weight_builds_no_weight_gradient():
+    """LoRA/QLoRA freeze the output weight: the loss keeps only the hidden states' gradient, which is torch's."""
+    hidden, weight = rand(64, 8).requires_grad_(), rand(4096, 8)
+    labels = torch.randint(0, 4096, (64,))
+    loss = chunked_cross_entropy(hidden, weight, labels, 16, reference.cross_entropy)
+    assert [t.shape for t in loss.grad_fn.saved_tensors if t is not None] == [hidden.shape]
+    loss.backward()
+    h = hidden.detach().requires_grad_()
+    expected = F.cross_entropy(h @ weight.t(), labels, reduction="sum")
+    expected.backward()
+    assert abs(loss.item() - expected.item()) <= 1e-4 * abs(expected.item())
+    torch.testing.assert_close(hidden.grad, h.grad, atol=1e-5, rtol=1e-4)
 
 
 def test_npu_ops_need_torch_npu_only_when_selected():

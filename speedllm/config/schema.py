@@ -145,7 +145,9 @@ class TrainConfig:
     compile: bool = False
     max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
     stop_after: int = 0  # stop (with a checkpoint) after this many steps in this process; 0: run to train.steps
-    loss_chunk_size: int = 1024  # tokens per chunk of the output projection + cross-entropy
+    # tokens per chunk of the output projection + cross-entropy; 0: one chunk if the fp32 logits fit 128 MiB,
+    # else chunks that fit it (speedllm.ops.loss.chunk_rows)
+    loss_chunk_size: int = 0
 
 
 @dataclass
@@ -173,7 +175,10 @@ class AdamWConfig(OptimConfig):
     _target_: str = "torch.optim.AdamW"
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
-    foreach: bool = True  # the fast multi-tensor path; it also works with DTensor parameters (FSDP2 / TP)
+    # null: fused on cpu/cuda (one pass per tensor, speedllm.train.optimizer.fused_adamw), else foreach, the
+    # multi-tensor path; both work with DTensor parameters (FSDP2 / TP)
+    fused: Optional[bool] = None
+    foreach: Optional[bool] = None
 
 
 @dataclass

@@ -144,11 +144,12 @@ class Qwen3(nn.Module):
         output_loss: (hidden_ND, weight_VD, labels_N, chunk_size, cross_entropy) -> ce_sum, the output
             projection + summed cross-entropy; a layout may need its own (speedllm.parallel.output_loss_for:
             vocabulary-parallel under tensor parallelism) without touching this file.
-        loss_chunk_size: tokens per chunk of that loss.
+        loss_chunk_size: tokens per chunk of that loss (0: one chunk if the logits fit a budget,
+            speedllm.ops.loss.chunk_rows).
     """
 
     def __init__(self, cfg, ops: str = "reference", output_loss: Callable = chunked_cross_entropy,
-                 loss_chunk_size: int = 1024):
+                 loss_chunk_size: int = 0):
         super().__init__()
         self.cfg = cfg
         self.ops = get_ops(ops)

@@ -1,4 +1,5 @@
-"""Output projection + cross-entropy over chunks of tokens, never holding the logits of the whole batch.
+"""Output projection + cross-entropy over chunks of tokens, holding the logits of the whole batch only when
+they fit a small memory budget.
 
 At a 151,936-entry vocabulary the [tokens, vocab] fp32 logits (and their gradient) are the largest activation
 of a small model. With gradients wanted, the forward pass projects one chunk of tokens at a time and turns
@@ -12,22 +13,19 @@ import torch
 
 from speedllm.ops import IGNORE_INDEX
 
-_WORKSPACE = {}  # device -> reused fp32 buffer for one chunk's logits (CPU only, see _logits_buffer)
+LOGITS_BUDGET_BYTES = 128 * 2**20  # one chunk's fp32 logits, when the chunk size is left to the loss (0)
 
 
-def _logits_buffer(rows: int, cols: int, device: torch.device) -> torch.Tensor:
-    """An uninitialized fp32 [rows, cols] buffer for one chunk's logits.
+def chunk_rows(chunk_size: int, num_tokens: int, vocab: int) -> int:
+    """Tokens projected at once: `chunk_size`, or for 0 as many as keep one chunk's fp32 logits within
+    LOGITS_BUDGET_BYTES, which is all of them (one fused cross-entropy, no chunking) when the whole logits fit.
 
-    On CPU the buffer is kept and reused from call to call: a fresh 0.6 GB tensor (1024 tokens x 151,936) is
-    a fresh mmap whose first touch page-faults, which costs more than the softmax over it (~0.15 s per step
-    on the 2-core box). GPU/NPU caching allocators already reuse the memory, so there a plain empty() is used.
+    A small chunk costs little speed: the weight gradient accumulates through the GEMM itself (addmm_), and a
+    small buffer is cheap to fault in. A large one costs memory: on CPU a freshly touched 0.6 GB buffer
+    (1,024 tokens x 151,936) is both the step's peak and ~0.15 s of page faults.
     """
-    if device.type != "cpu":
-        return torch.empty(rows, cols, dtype=torch.float32, device=device)
-    buffer = _WORKSPACE.get(device)
-    if buffer is None or buffer.numel() < rows * cols:
-        _WORKSPACE[device] = buffer = torch.empty(rows * cols, dtype=torch.float32, device=device)
-    return buffer[: rows * cols].view(rows, cols)
+    rows = chunk_size if chunk_size > 0 else max(1, LOGITS_BUDGET_BYTES // (4 * vocab))
+    return min(rows, num_tokens)
 
 
 def _loss_and_grad_(logits_NV: torch.Tensor, labels_N: torch.Tensor):
@@ -63,7 +61,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden_ND)
         grad_weight = None
         total = torch.zeros((), dtype=torch.float32, device=hidden_ND.device)
-        buffer = _logits_buffer(min(chunk_size, hidden_ND.shape[0]), weight_VD.shape[0], hidden_ND.device)
+        chunk_size = chunk_rows(chunk_size, hidden_ND.shape[0], weight_VD.shape[0])
+        # one chunk's fp32 logits, reused by every chunk of this call and freed with it
+        buffer = torch.empty(chunk_size, weight_VD.shape[0], dtype=torch.float32, device=hidden_ND.device)
         for start in range(0, hidden_ND.shape[0], chunk_size):
             h = hidden_ND[start : start + chunk_size]
             logits = buffer[: h.shape[0]]
@@ -73,32 +73,36 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 logits.copy_(h @ weight_VD.t())
             loss, grad_logits = chunk_fn(logits, labels_N[start : start + chunk_size])
             grad_hidden[start : start + chunk_size] = grad_logits.to(weight_VD.dtype) @ weight_VD
-            if grad_weight is None:
-                grad_weight = grad_logits.t() @ h.float()
-            else:
-                grad_weight.addmm_(grad_logits.t(), h.float())
+            if ctx.needs_input_grad[1]:  # a frozen output weight (LoRA, QLoRA) gets no vocabulary-sized gradient
+                if grad_weight is None:
+                    grad_weight = grad_logits.t() @ h.float()
+                else:
+                    grad_weight.addmm_(grad_logits.t(), h.float())
             total += loss
-        ctx.save_for_backward(grad_hidden, grad_weight.to(weight_VD.dtype))
+        ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight_VD.dtype))
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
         grad_hidden, grad_weight = ctx.saved_tensors
         # Not in place: zero-bubble pipeline schedules run this backward twice (input, then weight gradients).
-        return grad_hidden * grad_total, grad_weight * grad_total, None, None, None
+        return (grad_hidden * grad_total, None if grad_weight is None else grad_weight * grad_total,
+                None, None, None)
 
 
 def chunked_cross_entropy(hidden_ND, weight_VD, labels_N, chunk_size, cross_entropy):
     """Sum of token cross-entropies of `hidden_ND @ weight_VD.T` against `labels_N` (IGNORE_INDEX = no loss), fp32.
 
     Args:
-        chunk_size: tokens projected at once; the extra memory is about chunk_size x vocab x 4 bytes.
+        chunk_size: tokens projected at once (0: see chunk_rows); the extra memory is about
+            chunk_size x vocab x 4 bytes.
         cross_entropy: the op set's `cross_entropy(logits_NV, labels_N) -> sum`, used when no gradient is
             wanted (evaluation); with gradients the fused in-place loss-and-gradient above is used.
     """
     if torch.is_grad_enabled() and (hidden_ND.requires_grad or weight_VD.requires_grad):
         return ChunkedLinearCrossEntropy.apply(hidden_ND, weight_VD, labels_N, chunk_size)
     total = torch.zeros((), dtype=torch.float32, device=hidden_ND.device)
+    chunk_size = chunk_rows(chunk_size, hidden_ND.shape[0], weight_VD.shape[0])
     for start in range(0, hidden_ND.shape[0], chunk_size):
         logits = hidden_ND[start : start + chunk_size] @ weight_VD.t()
         total += cross_entropy(logits, labels_N[start : start + chunk_size])

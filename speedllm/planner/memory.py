@@ -26,12 +26,14 @@ from torch import nn
 
 from speedllm.config.rules import ulysses_degree
 from speedllm.hardware import DTYPES
+from speedllm.ops.loss import chunk_rows
 from speedllm.parallel.pipeline import stages_of_rank
 from speedllm.planner.layout import Layout
+from speedllm.train.optimizer import fused_adamw
 
 MASTER_BYTES = 4  # fp32 master weights and fp32 gradient reduction (the mixed-precision policy)
 GIB = 2**30
-UPDATE_TEMPORARIES = 0.8  # foreach AdamW's intermediate tensors, in units of the fp32 parameters
+UPDATE_TEMPORARIES = 0.8  # foreach AdamW's intermediate tensors, in units of the fp32 parameters (fused: none)
 
 
 @dataclass(frozen=True)
@@ -240,18 +242,17 @@ class Memory:
     # activations alive once gradients exist (a pipeline rank has run one backward by then)
     activations_with_grads: float = 0.0
     buffers: float = 0.0  # FSDP2 all-gathered weights, autocast weight copies, pipeline send/receive
-    kept: float = 0.0  # alive through both phases: the chunked loss's logits buffer on CPU
     update_temporaries: float = 0.0
     pp_rank: int = 0
 
     @property
     def forward_backward(self) -> float:
         live = max(self.activations, self.grad_accum + self.activations_with_grads)
-        return self.params + self.optimizer + self.buffers + self.kept + live
+        return self.params + self.optimizer + self.buffers + live
 
     @property
     def update(self) -> float:
-        return self.params + self.grads + self.optimizer + self.update_temporaries + self.kept
+        return self.params + self.grads + self.optimizer + self.update_temporaries
 
     @property
     def total(self) -> float:
@@ -372,7 +373,7 @@ def loss_bytes(m, layout: Layout, seq_len: int, dtype_bytes: int, chunk: int, vo
     saved = n * m.hidden_size * (4 + 2 * e) + v * m.hidden_size * e
     # a chunk's logits and their gradient (fp32 beside low-precision logits), and the fp32 weight-gradient
     # accumulator when the weight is in low precision
-    transient = min(chunk, n) * v * (4 if e == 4 else 4 + e)
+    transient = chunk_rows(chunk, n, v) * v * (4 if e == 4 else 4 + e)
     if e < 4:
         transient += v * m.hidden_size * 4
     return saved, transient
@@ -385,7 +386,7 @@ def rank_memory(m, layout: Layout, sp: StageParams, pp_rank: int, seq_len: int,
 
     Args:
         tp_dims: whether the TP plan splits (the MLP width, the experts' width, the vocabulary), see tp_facts.
-        device: the profile's device type; on cpu the loss keeps its logits buffer through the step (`kept`).
+        device: the profile's device type, which decides whether AdamW runs fused (speedllm.train.optimizer).
     """
     e = DTYPES[dtype].itemsize
     num_micro = global_batch // (layout.micro_batch * layout.dp)
@@ -393,7 +394,7 @@ def rank_memory(m, layout: Layout, sp: StageParams, pp_rank: int, seq_len: int,
     mem.params = sp.sharded * MASTER_BYTES
     mem.grads = sp.sharded * MASTER_BYTES
     mem.optimizer = sp.optimizer_state * MASTER_BYTES  # fp32 states
-    mem.update_temporaries = sp.sharded * MASTER_BYTES * UPDATE_TEMPORARIES
+    mem.update_temporaries = 0.0 if fused_adamw(device) else sp.sharded * MASTER_BYTES * UPDATE_TEMPORARIES
     accumulating = num_micro > 1 or layout.pp > 1
     dense_fsdp, _ = fsdp_degrees(layout)
     if layout.fsdp and dense_fsdp > 1:
@@ -431,10 +432,6 @@ def rank_memory(m, layout: Layout, sp: StageParams, pp_rank: int, seq_len: int,
         vocab = m.vocab_size / (layout.tp if tp_dims[2] else 1)
         if working:  # the output projection's gradient is made at the start of backward and kept to the end
             working += vocab * m.hidden_size * MASTER_BYTES
-        if device == "cpu":
-            # there the chunk's fp32 logits buffer is kept from step to step (ops.loss), so it is also alive in
-            # backward, beside the vocabulary-sized gradient temporaries that `transient` stands for then
-            mem.kept = min(loss_chunk, layout.micro_batch * seq_len / layout.cp) * vocab * 4
     # ring attention rebuilds one chunk of a block's scores at a time in backward (speedllm.parallel.context)
     transient = max(transient, ring_backward_bytes(m, layout, seq_len))
     mem.activations = flight * per_stage_act + head + max(working, transient)

@@ -40,7 +40,7 @@ class Problem:
     world: int
     seq_len: int
     global_batch: int
-    loss_chunk: int = 1024
+    loss_chunk: int = 0  # train.loss_chunk_size
     efficiency: float = 0.6
     memory_margin: float = 0.1
     optim: object = None  # OptimConfig fields; None: AdamW

@@ -83,10 +83,27 @@ def optimizer_errors(optim) -> list:
     return []
 
 
+def fused_adamw(device_type: str) -> bool:
+    """Whether AdamW with `fused: null` (the adamw group's default) runs torch's fused kernel on this device type.
+
+    Fused: one pass over each parameter, its gradient and moments, no temporaries (DTensor parameters too).
+    Foreach makes ~10 passes and intermediate tensors: on the 2-core CPU box it took 0.25 s a step for 42M
+    parameters against 0.06 s fused (~6% of a training step). Other devices (torch_npu) keep foreach.
+    """
+    return device_type in ("cpu", "cuda")
+
+
 def build_optimizer(model: nn.Module, optim) -> torch.optim.Optimizer:
-    """The `optim` group's optimizer over `model`'s parameter groups (lr is the peak; the scheduler scales it)."""
+    """The `optim` group's optimizer over `model`'s parameter groups (lr is the peak; the scheduler scales it).
+
+    `fused: null` lets the device decide between the fused and the foreach kernels (fused_adamw).
+    """
     groups = param_groups(model, optim.weight_decay, optim.decay_embeddings)
-    return instantiate({**optimizer_args(optim), "_convert_": "all"})(groups)
+    args = optimizer_args(optim)
+    if "fused" in args and args["fused"] is None:
+        args["fused"] = fused_adamw(next(model.parameters()).device.type)
+        args["foreach"] = not args["fused"]
+    return instantiate({**args, "_convert_": "all"})(groups)
 
 
 def check_resumable(checkpoint: Path, optim) -> None:
