@@ -107,7 +107,7 @@ VALUES = [
     ("train.seq_len=0", "train.seq_len"), ("train.micro_batch_size=0", "train.micro_batch_size"),
     ("train.micro_batch_size=-2", "train.micro_batch_size"), ("train.global_batch_size=0", "train.global_batch_size"),
     ("train.log_every=0", "train.log_every"), ("train.eval_steps=0", "train.eval_steps"),
-    ("train.max_bad_steps=0", "train.max_bad_steps"), ("train.loss_chunk_size=0", "train.loss_chunk_size"),
+    ("train.max_bad_steps=0", "train.max_bad_steps"), ("train.loss_chunk_size=-1", "train.loss_chunk_size"),
     ("train.eval_every=-1", "train.eval_every"), ("train.grad_clip=-1", "train.grad_clip"),
     ("train.stop_after=-1", "train.stop_after"), ("optim.lr=0", "optim.lr"), ("optim.lr=-1e-3", "optim.lr"),
     ("optim.lr=nan", "optim.lr"), ("optim.lr=inf", "optim.lr"), ("optim.min_lr=-1", "optim.min_lr"),

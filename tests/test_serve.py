@@ -6,7 +6,6 @@ client leaving mid-stream frees its row, SIGTERM stops the server."""
 import asyncio
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -48,14 +47,11 @@ def wait_healthy(url, proc, timeout=180):
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory, hf_pair):
+def hf_dir(tmp_path_factory, save_tiny_hf):
     """A tiny random Qwen3 saved by transformers (with the demo tokenizer), and that model."""
     path = tmp_path_factory.mktemp("hf")
     tok = load_tokenizer(str(DEMO_TOKENIZER))
-    _, hf, _ = hf_pair(seed=9, vocab_size=len(tok), tie_word_embeddings=True)
-    hf.save_pretrained(path)
-    for f in DEMO_TOKENIZER.iterdir():
-        shutil.copy(f, path)
+    hf = save_tiny_hf(path, seed=9, vocab_size=len(tok), tie_word_embeddings=True)
     return path, hf, tok
 
 

@@ -64,8 +64,9 @@ VALUE_RULES = {
     "model.rms_norm_eps": _above(0),
     "model.num_experts": _at_least(0),
     **{f"train.{k}": _at_least(1) for k in ("steps", "seq_len", "micro_batch_size", "global_batch_size", "log_every",
-                                            "eval_steps", "max_bad_steps", "loss_chunk_size")},
-    **{f"train.{k}": _at_least(0) for k in ("eval_every", "grad_clip", "stop_after")},
+                                            "eval_steps", "max_bad_steps")},
+    # loss_chunk_size 0: chunks by the logits budget (speedllm.ops.loss.chunk_rows)
+    **{f"train.{k}": _at_least(0) for k in ("eval_every", "grad_clip", "stop_after", "loss_chunk_size")},
     "optim.lr": _above(0),
     "optim.min_lr": _at_least(0),
     "optim.weight_decay": _at_least(0),
