@@ -29,7 +29,7 @@ def build(seq_len: int, doc_len: int):
     from speedllm.config.schema import ModelConfig
     from speedllm.models.qwen3 import Qwen3
 
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / "conf/model/qwen3_tiny.yaml"),
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / "speedllm/conf/model/qwen3_tiny.yaml"),
                           {"tokenizer": "none", "max_position_embeddings": seq_len})
     model = Qwen3(cfg)
     model.init_weights(seed=0)

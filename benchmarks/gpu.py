@@ -38,10 +38,10 @@ from speedllm.models import Qwen3  # noqa: E402
 from speedllm.models.hf_adapter import hf_config, to_hf_state_dict  # noqa: E402
 from speedllm.ops import get_ops, reference  # noqa: E402
 from speedllm.parallel import ParallelModel, clip_grad_norm  # noqa: E402
+from speedllm.paths import CONF, ROOT  # noqa: E402
 from speedllm.train.metrics import flops_per_token, mfu  # noqa: E402
 from speedllm.train.optimizer import build_optimizer  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("qwen3_0.6b", "qwen3_1.7b")
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16)  # --dry: every model shrunk to this
@@ -63,7 +63,7 @@ class Table:
 
 
 def model_cfg(name: str, dry: bool):
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / "conf/model" / f"{name}.yaml"),
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(CONF / "model" / f"{name}.yaml"),
                           {"tokenizer": "unused"})
     return OmegaConf.merge(cfg, TINY) if dry else cfg
 
@@ -74,7 +74,7 @@ def peak_tflops_bf16(device: torch.device) -> float:
     else:
         name = torch.cuda.get_device_name(device).lower()
         profile = "h200" if "h200" in name else "h100" if "h100" in name else "cuda"
-    return OmegaConf.load(ROOT / "conf/hardware" / f"{profile}.yaml").peak_tflops.bfloat16
+    return OmegaConf.load(CONF / "hardware" / f"{profile}.yaml").peak_tflops.bfloat16
 
 
 def ops_for(device: torch.device) -> str:
