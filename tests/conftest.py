@@ -104,3 +104,15 @@ def save_tiny_hf():
     randomly initialized tiny Qwen3 (MoE when `num_experts` is set) saved by transformers' save_pretrained into
     `path`, with the demo tokenizer's files beside it (the model's vocab_size must then cover its 8192 ids)."""
     return _save_tiny_hf
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """`(path, transformers model, demo tokenizer)`: a random tiny Qwen3 (seed 9, tied, the demo tokenizer's
+    vocabulary) saved by transformers with the demo tokenizer's files beside it."""
+    from speedllm.data.tokenizer import load_tokenizer
+
+    path = tmp_path_factory.mktemp("hf")
+    tok = load_tokenizer(str(DEMO_TOKENIZER))
+    hf = _save_tiny_hf(path, seed=9, vocab_size=len(tok), tie_word_embeddings=True)
+    return path, hf, tok

@@ -144,15 +144,6 @@ def test_sample_texts_for_the_training_loop(hf_pair):
 
 # ------------------------------------------------------------------------------------- through launch.py
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory, save_tiny_hf):
-    """A random tiny Qwen3 saved by transformers (with the demo tokenizer) and the transformers model itself."""
-    path = tmp_path_factory.mktemp("hf")
-    tok = load_tokenizer(str(DEMO_TOKENIZER))
-    hf = save_tiny_hf(path, seed=9, vocab_size=len(tok), tie_word_embeddings=True)
-    return path, hf, tok
-
-
 PROMPTS = ["ROMEO:", "KING HENRY:\nWhat say you", "First"]
 
 

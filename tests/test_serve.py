@@ -46,15 +46,6 @@ def wait_healthy(url, proc, timeout=180):
     raise TimeoutError("the server did not come up")
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory, save_tiny_hf):
-    """A tiny random Qwen3 saved by transformers (with the demo tokenizer), and that model."""
-    path = tmp_path_factory.mktemp("hf")
-    tok = load_tokenizer(str(DEMO_TOKENIZER))
-    hf = save_tiny_hf(path, seed=9, vocab_size=len(tok), tie_word_embeddings=True)
-    return path, hf, tok
-
-
 @contextlib.contextmanager
 def serving(path, *overrides):
     """task=serve on the HF dir in a subprocess (its own session): (process, base url, openai client)."""
