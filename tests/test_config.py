@@ -92,8 +92,11 @@ RULES = [
     (["model=qwen3_moe_tiny", "parallel=ep2", "parallel.ep=3", "parallel.dp=3", "task=doctor"],
      "parallel.ep=3 does not divide num_experts=8 of model qwen3_moe_tiny; use ep in {1, 2, 4, 8}"),
     (["model=qwen3_moe_tiny", "parallel=ep2", "parallel.dp=2", "parallel.ep=4", "task=doctor"],
-     "parallel.ep=4 must divide parallel.dp x parallel.cp = 2 (experts are spread over the data/context ranks); "
-     "raise dp or lower ep"),
+     "parallel.ep=4 must divide parallel.dp x parallel.cp x parallel.tp = 2 (experts are spread over the "
+     "data/context/tensor ranks); raise dp or lower ep"),
+    (["model=qwen3_moe_tiny", "parallel=tp2", "parallel.sequence_parallel=false", "task=doctor"],
+     "parallel.tp=2 with MoE model qwen3_moe_tiny needs sequence parallel (each tp rank routes its own tokens); "
+     "set parallel.sequence_parallel=true"),
     (["parallel=tp2", "launcher.nproc_per_node=3", "task=doctor"],
      "parallel dp=1 x cp=1 x tp=2 x pp=1 = 2 does not match the world size 3 (launcher.nnodes=1 x "
      "launcher.nproc_per_node=3); set parallel.dp=-1 to infer it or fix the launcher counts"),
@@ -236,6 +239,8 @@ LAYOUT_ERRORS = {
         "parallel.ep=8 needs a MoE model but qwen3_0.6b is dense; set parallel.ep=1",
     ("qwen3_0.6b", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=28 of model qwen3_0.6b",
+    ("qwen3_0.6b", "tp2_ep2"):
+        "parallel.ep=2 needs a MoE model but qwen3_0.6b is dense; set parallel.ep=1",
     ("qwen3_0.6b", "tp8_pp2_vpp8"):
         "model.num_hidden_layers=28 of model qwen3_0.6b cannot be split evenly over parallel.pp=2 x parallel.vpp=8 = 16 stages; use pp*vpp in {1, 2, 4, 7, 14, 28} or list the layers per stage in parallel.pp_layers",
     ("qwen3_1.7b", "ep2"):
@@ -244,6 +249,8 @@ LAYOUT_ERRORS = {
         "parallel.ep=8 needs a MoE model but qwen3_1.7b is dense; set parallel.ep=1",
     ("qwen3_1.7b", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=28 of model qwen3_1.7b",
+    ("qwen3_1.7b", "tp2_ep2"):
+        "parallel.ep=2 needs a MoE model but qwen3_1.7b is dense; set parallel.ep=1",
     ("qwen3_1.7b", "tp8_pp2_vpp8"):
         "model.num_hidden_layers=28 of model qwen3_1.7b cannot be split evenly over parallel.pp=2 x parallel.vpp=8 = 16 stages; use pp*vpp in {1, 2, 4, 7, 14, 28} or list the layers per stage in parallel.pp_layers",
     ("qwen3_14b", "ep2"):
@@ -252,10 +259,10 @@ LAYOUT_ERRORS = {
         "parallel.ep=8 needs a MoE model but qwen3_14b is dense; set parallel.ep=1",
     ("qwen3_14b", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=40 of model qwen3_14b",
+    ("qwen3_14b", "tp2_ep2"):
+        "parallel.ep=2 needs a MoE model but qwen3_14b is dense; set parallel.ep=1",
     ("qwen3_14b", "tp8_pp2_vpp8"):
         "model.num_hidden_layers=40 of model qwen3_14b cannot be split evenly over parallel.pp=2 x parallel.vpp=8 = 16 stages; use pp*vpp in {1, 2, 4, 5, 8, 10, 20, 40} or list the layers per stage in parallel.pp_layers",
-    ("qwen3_235b_a22b", "fsdp2_tp2"):
-        "parallel.tp=2 with MoE model qwen3_235b_a22b is not supported; use parallel.ep for the experts and parallel.tp=1",
     ("qwen3_235b_a22b", "pp2"):
         "parallel.pp=2 with MoE model qwen3_235b_a22b is not supported (the load-balancing loss spans all layers); use parallel.pp=1 and parallel.ep for the experts",
     ("qwen3_235b_a22b", "pp2_ep8"):
@@ -264,16 +271,12 @@ LAYOUT_ERRORS = {
         "model.num_hidden_layers=94 of model qwen3_235b_a22b cannot be split evenly over parallel.pp=2 x parallel.vpp=2 = 4 stages; use pp*vpp in {1, 2, 47, 94} or list the layers per stage in parallel.pp_layers",
     ("qwen3_235b_a22b", "pp4_ep32"):
         "parallel.pp=4 with MoE model qwen3_235b_a22b is not supported (the load-balancing loss spans all layers); use parallel.pp=1 and parallel.ep for the experts",
-    ("qwen3_235b_a22b", "tp2"):
-        "parallel.tp=2 with MoE model qwen3_235b_a22b is not supported; use parallel.ep for the experts and parallel.tp=1",
     ("qwen3_235b_a22b", "tp2_pp2"):
-        "parallel.tp=2 with MoE model qwen3_235b_a22b is not supported; use parallel.ep for the experts and parallel.tp=1",
+        "parallel.pp=2 with MoE model qwen3_235b_a22b is not supported (the load-balancing loss spans all layers); use parallel.pp=1 and parallel.ep for the experts",
     ("qwen3_235b_a22b", "tp8"):
         "parallel.tp=8 does not divide num_key_value_heads=4 of model qwen3_235b_a22b; use tp in {1, 2, 4}",
     ("qwen3_235b_a22b", "tp8_pp2_vpp8"):
         "parallel.tp=8 does not divide num_key_value_heads=4 of model qwen3_235b_a22b; use tp in {1, 2, 4}",
-    ("qwen3_30b_a3b", "fsdp2_tp2"):
-        "parallel.tp=2 with MoE model qwen3_30b_a3b is not supported; use parallel.ep for the experts and parallel.tp=1",
     ("qwen3_30b_a3b", "pp2"):
         "parallel.pp=2 with MoE model qwen3_30b_a3b is not supported (the load-balancing loss spans all layers); use parallel.pp=1 and parallel.ep for the experts",
     ("qwen3_30b_a3b", "pp2_ep8"):
@@ -282,10 +285,8 @@ LAYOUT_ERRORS = {
         "parallel.pp=2 with MoE model qwen3_30b_a3b is not supported (the load-balancing loss spans all layers); use parallel.pp=1 and parallel.ep for the experts",
     ("qwen3_30b_a3b", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=48 of model qwen3_30b_a3b",
-    ("qwen3_30b_a3b", "tp2"):
-        "parallel.tp=2 with MoE model qwen3_30b_a3b is not supported; use parallel.ep for the experts and parallel.tp=1",
     ("qwen3_30b_a3b", "tp2_pp2"):
-        "parallel.tp=2 with MoE model qwen3_30b_a3b is not supported; use parallel.ep for the experts and parallel.tp=1",
+        "parallel.pp=2 with MoE model qwen3_30b_a3b is not supported (the load-balancing loss spans all layers); use parallel.pp=1 and parallel.ep for the experts",
     ("qwen3_30b_a3b", "tp8"):
         "parallel.tp=8 does not divide num_key_value_heads=4 of model qwen3_30b_a3b; use tp in {1, 2, 4}",
     ("qwen3_30b_a3b", "tp8_pp2_vpp8"):
@@ -296,12 +297,16 @@ LAYOUT_ERRORS = {
         "parallel.ep=8 needs a MoE model but qwen3_32b is dense; set parallel.ep=1",
     ("qwen3_32b", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=64 of model qwen3_32b",
+    ("qwen3_32b", "tp2_ep2"):
+        "parallel.ep=2 needs a MoE model but qwen3_32b is dense; set parallel.ep=1",
     ("qwen3_4b", "ep2"):
         "parallel.ep=2 needs a MoE model but qwen3_4b is dense; set parallel.ep=1",
     ("qwen3_4b", "pp2_ep8"):
         "parallel.ep=8 needs a MoE model but qwen3_4b is dense; set parallel.ep=1",
     ("qwen3_4b", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=36 of model qwen3_4b",
+    ("qwen3_4b", "tp2_ep2"):
+        "parallel.ep=2 needs a MoE model but qwen3_4b is dense; set parallel.ep=1",
     ("qwen3_4b", "tp8_pp2_vpp8"):
         "model.num_hidden_layers=36 of model qwen3_4b cannot be split evenly over parallel.pp=2 x parallel.vpp=8 = 16 stages; use pp*vpp in {1, 2, 3, 4, 6, 9, 12, 18, 36} or list the layers per stage in parallel.pp_layers",
     ("qwen3_8b", "ep2"):
@@ -310,10 +315,10 @@ LAYOUT_ERRORS = {
         "parallel.ep=8 needs a MoE model but qwen3_8b is dense; set parallel.ep=1",
     ("qwen3_8b", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=36 of model qwen3_8b",
+    ("qwen3_8b", "tp2_ep2"):
+        "parallel.ep=2 needs a MoE model but qwen3_8b is dense; set parallel.ep=1",
     ("qwen3_8b", "tp8_pp2_vpp8"):
         "model.num_hidden_layers=36 of model qwen3_8b cannot be split evenly over parallel.pp=2 x parallel.vpp=8 = 16 stages; use pp*vpp in {1, 2, 3, 4, 6, 9, 12, 18, 36} or list the layers per stage in parallel.pp_layers",
-    ("qwen3_moe_tiny", "fsdp2_tp2"):
-        "parallel.tp=2 with MoE model qwen3_moe_tiny is not supported; use parallel.ep for the experts and parallel.tp=1",
     ("qwen3_moe_tiny", "pp2"):
         "parallel.pp=2 with MoE model qwen3_moe_tiny is not supported (the load-balancing loss spans all layers); use parallel.pp=1 and parallel.ep for the experts",
     ("qwen3_moe_tiny", "pp2_ep8"):
@@ -322,10 +327,8 @@ LAYOUT_ERRORS = {
         "parallel.pp=2 with MoE model qwen3_moe_tiny is not supported (the load-balancing loss spans all layers); use parallel.pp=1 and parallel.ep for the experts",
     ("qwen3_moe_tiny", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=4 of model qwen3_moe_tiny",
-    ("qwen3_moe_tiny", "tp2"):
-        "parallel.tp=2 with MoE model qwen3_moe_tiny is not supported; use parallel.ep for the experts and parallel.tp=1",
     ("qwen3_moe_tiny", "tp2_pp2"):
-        "parallel.tp=2 with MoE model qwen3_moe_tiny is not supported; use parallel.ep for the experts and parallel.tp=1",
+        "parallel.pp=2 with MoE model qwen3_moe_tiny is not supported (the load-balancing loss spans all layers); use parallel.pp=1 and parallel.ep for the experts",
     ("qwen3_moe_tiny", "tp8"):
         "parallel.tp=8 does not divide num_attention_heads=4 of model qwen3_moe_tiny; use tp in {1, 2}",
     ("qwen3_moe_tiny", "tp8_pp2_vpp8"):
@@ -336,6 +339,8 @@ LAYOUT_ERRORS = {
         "parallel.ep=8 needs a MoE model but qwen3_tiny is dense; set parallel.ep=1",
     ("qwen3_tiny", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=4 of model qwen3_tiny",
+    ("qwen3_tiny", "tp2_ep2"):
+        "parallel.ep=2 needs a MoE model but qwen3_tiny is dense; set parallel.ep=1",
     ("qwen3_tiny", "tp8"):
         "parallel.tp=8 does not divide num_attention_heads=4 of model qwen3_tiny; use tp in {1, 2}",
     ("qwen3_tiny", "tp8_pp2_vpp8"):

@@ -30,7 +30,7 @@ def ulysses_degree(cp_mode: str, cp: int, cp_ulysses: int, heads: int) -> int:
 
 def layout_errors(model, *, tp: int, pp: int, vpp: int, ep: int, cp: int, dp: int, schedule: str,
                   pp_layers: Optional[Sequence[int]] = None, cp_mode: str = "allgather",
-                  cp_ulysses: int = 0) -> List[str]:
+                  cp_ulysses: int = 0, sequence_parallel: bool = True) -> List[str]:
     """What keeps `model` (schema ModelConfig fields) from training under these degrees; dp >= 1."""
     m, name = model, model.name
     errors = [f"parallel.{key}={value} must be >= 1"
@@ -63,13 +63,13 @@ def layout_errors(model, *, tp: int, pp: int, vpp: int, ep: int, cp: int, dp: in
         elif m.num_experts % ep:
             errors.append(f"parallel.ep={ep} does not divide num_experts={m.num_experts} of model {name}; "
                           f"use ep in {_set(divisors(m.num_experts))}")
-        if (dp * cp) % ep:
-            errors.append(f"parallel.ep={ep} must divide parallel.dp x parallel.cp = {dp * cp} "
-                          f"(experts are spread over the data/context ranks); raise dp or lower ep")
+        if (dp * cp * tp) % ep:
+            errors.append(f"parallel.ep={ep} must divide parallel.dp x parallel.cp x parallel.tp = {dp * cp * tp} "
+                          f"(experts are spread over the data/context/tensor ranks); raise dp or lower ep")
     # combinations speedllm.parallel.parallelize does not build
-    if m.num_experts > 0 and tp > 1:
-        errors.append(f"parallel.tp={tp} with MoE model {name} is not supported; use parallel.ep for the experts "
-                      "and parallel.tp=1")
+    if m.num_experts > 0 and tp > 1 and not sequence_parallel:
+        errors.append(f"parallel.tp={tp} with MoE model {name} needs sequence parallel (each tp rank routes its own "
+                      "tokens); set parallel.sequence_parallel=true")
     if m.num_experts > 0 and pp > 1:
         errors.append(f"parallel.pp={pp} with MoE model {name} is not supported (the load-balancing loss spans all "
                       "layers); use parallel.pp=1 and parallel.ep for the experts")

@@ -171,7 +171,7 @@ def check_parallel(cfg: DictConfig) -> None:
     p = cfg.parallel
     errors = layout_errors(cfg.model, tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, cp=p.cp, dp=p.dp,
                            schedule=p.pp_schedule, pp_layers=p.pp_layers, cp_mode=p.cp_mode,
-                           cp_ulysses=p.cp_ulysses)
+                           cp_ulysses=p.cp_ulysses, sequence_parallel=p.sequence_parallel or cfg.task.inference)
     if cfg.task.inference:
         errors += inference_layout_errors(cfg.task.name, pp=p.pp, cp=p.cp, ep=p.ep)
     if errors:

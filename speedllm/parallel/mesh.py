@@ -20,7 +20,7 @@ class ParallelDims:
     """The degrees of this job's layout, read from its mesh (the one source of truth inside a worker).
 
     Without a mesh (a single process) every degree is 1. Expert parallelism is not a mesh axis: it is
-    carved out of dp x cp (see `expert_meshes`), so its degree is carried alongside.
+    carved out of dp x cp x tp (see `expert_meshes`), so its degree is carried alongside.
     """
 
     mesh: Optional[DeviceMesh] = None
@@ -57,11 +57,13 @@ class ParallelDims:
         return self.mesh["dp", "cp"]._flatten("dp_cp")
 
     def expert_meshes(self) -> tuple:
-        """(ep mesh, edp mesh): expert parallelism carved out of dp x cp, as consecutive blocks of `ep` ranks.
+        """(ep mesh, edp mesh): expert parallelism carved out of dp x cp x tp, as consecutive blocks of `ep`
+        ranks (tp innermost, so an ep group spans the tp peers first).
 
-        Experts are split over the ep axis; ranks at the same ep coordinate hold the same experts and shard
-        them further with FSDP over the edp axis.
+        These ranks all route different tokens through the experts (tp ranks too: with sequence parallel each
+        holds its own share of the sequence). Experts are split over the ep axis; ranks at the same ep
+        coordinate hold the same experts and shard them further with FSDP over the edp axis.
         """
-        dp_cp = self.data_mesh()
-        split = dp_cp._unflatten(0, (dp_cp.size() // self.ep, self.ep), ("edp", "ep"))
+        tokens = self.mesh["dp", "cp", "tp"]._flatten("dp_cp_tp")
+        split = tokens._unflatten(0, (tokens.size() // self.ep, self.ep), ("edp", "ep"))
         return split["ep"], split["edp"]

@@ -105,11 +105,12 @@ def _parallelize_part(part: nn.Module, dims: ParallelDims, parallel, train, para
         from speedllm.parallel.tensor import apply_tp
 
         apply_tp(part, dims.mesh["tp"], parallel.sequence_parallel)
-    if dims.ep > 1:
+    if part.cfg.num_experts and dims.ep * dims.tp > 1:  # experts: EP and FSDP over dp x cp x tp
         from speedllm.parallel.expert import apply_ep
 
         ep_mesh, expert_mesh = dims.expert_meshes()
-        apply_ep(part, ep_mesh)
+        if dims.ep > 1:
+            apply_ep(part, ep_mesh)
     if dims.cp > 1:
         from speedllm.config.rules import ulysses_degree
         from speedllm.parallel.context import apply_cp
@@ -128,7 +129,9 @@ def _parallelize_part(part: nn.Module, dims: ParallelDims, parallel, train, para
     if train.compile:
         for layer in part.layers.values():
             layer.compile()
-    if dims.mesh is not None and (dims.dp * dims.cp > 1 or not parallel.fsdp):
+    # experts replicated over several ranks (e.g. the tp ranks of `tp2`) need FSDP even where dp x cp is 1
+    if dims.mesh is not None and (dims.dp * dims.cp > 1 or not parallel.fsdp or
+                                  expert_mesh is not None and expert_mesh.size() > 1):
         apply_fsdp(part, dims, param_dtype, parallel.fsdp, parallel.reshard_after_forward, expert_mesh)
 
 

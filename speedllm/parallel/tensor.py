@@ -5,6 +5,12 @@ dim (Shard(1)); the norms run on their sequence shard; attention and the MLP all
 own heads / intermediate columns (Colwise q/k/v, gate/up), and reduce-scatter back (Rowwise o/down).
 Without SP the residual stream is replicated and the Rowwise projections all-reduce instead.
 
+A MoE block under SP runs on each rank's own tokens, like data-parallel ranks would: it takes the local
+sequence shard, the router is replicated (its gradient summed over the tensor axis by DTensor), and the experts
+are placed by expert parallelism and FSDP over dp x cp x tp (speedllm.parallel.mesh.ParallelDims.expert_meshes),
+not split by TP. Its load-balancing statistics are summed over the tensor axis, so the aux loss is the whole
+sequences'. Without SP (inference) the block is left whole on every rank and sees every token.
+
 The embedding and the output projection are vocabulary-parallel: each rank holds V/tp rows, and the loss is
 a vocab-parallel cross-entropy (max, sum of exponentials and the target logit reduced over the tensor axis),
 so no rank ever holds logits over the whole vocabulary.
@@ -22,6 +28,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -47,8 +54,44 @@ def root_plan(sequence_parallel: bool) -> dict:
     return plan
 
 
-def layer_plan(sequence_parallel: bool) -> dict:
-    """Plan for one dense decoder layer (attention, SwiGLU MLP, norms)."""
+class LocalTokensMoE(ParallelStyle):
+    """A MoE block (speedllm.models.moe.MoE) on this rank's sequence shard of the residual stream.
+
+    The block sees a plain local tensor (and its share of the token mask), returns its output as the sequence
+    shard of the stream again, and its statistics summed over the tensor axis: one all-reduce of 2E+1 numbers.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from speedllm.parallel.context import _SumOverRanks
+
+        specs = []  # (shape, stride) of the stream entering each forward in flight
+
+        def to_local(module, args):
+            x_BSD, *rest = args
+            specs.append((x_BSD.shape, x_BSD.stride()))
+            if rest and rest[0] is not None:  # the token mask [B, S]: keep this rank's columns
+                whole = DTensor.from_local(rest[0], device_mesh, [Replicate()], run_check=False)
+                rest[0] = whole.redistribute(placements=[Shard(1)]).to_local()
+            return (x_BSD.to_local(), *rest)
+
+        def to_stream(module, args, output):
+            out_BSD, (assigned_E, prob_mass_E, num_tokens) = output
+            shape, stride = specs.pop()
+            out_BSD = DTensor.from_local(out_BSD, device_mesh, [Shard(1)], run_check=False, shape=shape,
+                                         stride=stride)
+            E = assigned_E.shape[0]
+            total = _SumOverRanks.apply(torch.cat([assigned_E, prob_mass_E, num_tokens.reshape(1)]),
+                                        device_mesh.get_group())
+            # copies, not views of `total`: FSDP warns when a layer returns views
+            return out_BSD, (total[:E].clone(), total[E:2 * E].clone(), total[2 * E].clone())
+
+        module.register_forward_pre_hook(to_local)
+        module.register_forward_hook(to_stream)
+        return module
+
+
+def layer_plan(sequence_parallel: bool, moe: bool = False) -> dict:
+    """Plan for one decoder layer (attention, SwiGLU MLP or MoE block, norms)."""
     stream = Shard(1) if sequence_parallel else Replicate()
     plan = {
         # Attention.forward(x, cos, sin, mask, kv_cache, attend=None): only x is a distributed activation.
@@ -62,11 +105,17 @@ def layer_plan(sequence_parallel: bool) -> dict:
         "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         "self_attn.o_proj": RowwiseParallel(output_layouts=stream, use_local_output=not sequence_parallel),
-        "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(output_layouts=stream, use_local_output=not sequence_parallel),
     }
+    if moe and sequence_parallel:
+        # The router runs on this rank's token rows: replicated weight, gradient summed over the tensor axis.
+        plan.update({"mlp": LocalTokensMoE(), "mlp.gate": SequenceParallel(sequence_dim=0, use_local_output=True)})
+    elif not moe:
+        plan.update({
+            "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=stream, use_local_output=not sequence_parallel),
+        })
     if sequence_parallel:
         plan["input_layernorm"] = SequenceParallel()
         plan["post_attention_layernorm"] = SequenceParallel()
@@ -133,4 +182,4 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> 
     parallelize_module(model, tp_mesh, plan)
     model.tie_embeddings()  # distributed separately above; one tensor again
     for layer in model.layers.values():
-        parallelize_module(layer, tp_mesh, layer_plan(sequence_parallel))
+        parallelize_module(layer, tp_mesh, layer_plan(sequence_parallel, layer.is_moe))

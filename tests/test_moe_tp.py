@@ -1,0 +1,59 @@
+"""MoE under tensor + sequence parallelism trains like the single process, through the real launcher on CPU/gloo.
+
+qwen3_moe_tiny with one dense MLP layer (mlp_only_layers) and one MoE layer runs 5 steps under `tp2` (2 ranks:
+experts FSDP-sharded over the tp pair) and `tp2_ep2` (4 ranks, dp2 x tp2: experts split over each tp pair,
+FSDP across dp). Losses must agree with the single process within 1e-5 (relative), parameters after step 5
+within 1e-4; the tp2_ep2 checkpoint then resumes in one process with the single run's step-6 loss.
+
+The optimizer is SGD, not AdamW: AdamW's update lr * m / (sqrt(v) + eps) turns a rounding-level difference in a
+gradient element near zero (|g| ~ eps = 1e-8) into a change of up to lr/2 -- on this data one embedding element
+of 524k ends 7e-4 apart under AdamW (dense TP shows the same effect, 3e-5 on random data), while every
+gradient agrees to ~5e-7 relative. SGD moves each weight by lr * gradient, so a wrong gradient (e.g. a missing
+sum over the tp ranks) shows directly, and rounding does not get amplified.
+"""
+
+import pytest
+import torch
+from test_parallel import losses, run_all, saved_weights
+
+pytestmark = pytest.mark.distributed
+
+MOE = ["model=qwen3_moe_tiny", "model.hidden_size=64", "model.moe_intermediate_size=32", "model.intermediate_size=96",
+       "model.num_hidden_layers=2", "model.head_dim=16", "model.mlp_only_layers=[0]"]
+LAYOUTS = {"tp2": ["parallel=tp2"], "tp2_ep2": ["parallel=tp2_ep2"]}
+SGD = ["optim=sgd"]  # test_parallel.RUN sets a constant schedule
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, launch_argv):
+    root = tmp_path_factory.mktemp("moe_tp")
+    jobs = {root / "single": [*MOE, *SGD, "parallel=single", "checkpoint.every=5"]}
+    jobs.update({root / name: [*MOE, *SGD, *parallel, "train.stop_after=5"] for name, parallel in LAYOUTS.items()})
+    run_all(jobs, launch_argv)
+    return root
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_moe_layout_matches_single_process(layout, runs):
+    expected, got = losses(runs / "single")[:5], losses(runs / layout)
+    assert len(got) == 5
+    for a, b in zip(got, expected):
+        assert abs(a - b) <= 1e-5 * abs(b), (got, expected)
+    ours = saved_weights(runs / layout / "checkpoints" / "step_00000005")
+    theirs = saved_weights(runs / "single" / "checkpoints" / "step_00000005")
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        assert (ours[name] - theirs[name]).abs().max().item() <= 1e-4, name
+    assert not torch.equal(theirs["norm.weight"], torch.ones_like(theirs["norm.weight"]))  # it trained
+
+
+# Loading the optimizer state of EP's per-mesh parameter groups into one process' groups needs the
+# layout-independent optimizer checkpoint of branch h/a (flatten_optimizer_state_dict, scheduler step count);
+# with it merged this passes (checked 23:50 UTC): drop the marker then.
+@pytest.mark.xfail(strict=True, reason="optimizer groups differ between layouts until h/a's checkpoint change")
+def test_tp2_ep2_checkpoint_resumes_in_a_single_process(runs, tmp_path, launch_argv):
+    checkpoint = runs / "tp2_ep2" / "checkpoints" / "step_00000005"
+    run_all({tmp_path: [*MOE, *SGD, "parallel=single", f"checkpoint.load={checkpoint}"]}, launch_argv)
+    (resumed,) = losses(tmp_path)  # step 6 only
+    expected = losses(runs / "single")[5]
+    assert abs(resumed - expected) <= 1e-5 * expected
