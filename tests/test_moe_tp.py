@@ -22,23 +22,27 @@ pytestmark = pytest.mark.distributed
 
 MOE = ["model=qwen3_moe_tiny", "model.hidden_size=64", "model.moe_intermediate_size=32", "model.intermediate_size=96",
        "model.num_hidden_layers=2", "model.head_dim=16", "model.mlp_only_layers=[0]"]
-LAYOUTS = {"tp2": ["parallel=tp2"], "tp2_ep2": ["parallel=tp2_ep2"]}
+# tp2 runs on to step 6 and prints the end-of-run samples (greedy decoding on the training model: sequence
+# shards of one token, so one rank routes no tokens at a decode step); the single run prints them too.
+SAMPLES = ["generate.num_samples=2", "generate.max_new_tokens=6"]
+LAYOUTS = {"tp2": ["parallel=tp2", "checkpoint.every=5", *SAMPLES],
+           "tp2_ep2": ["parallel=tp2_ep2", "train.stop_after=5"]}
 SGD = ["optim=sgd"]  # test_parallel.RUN sets a constant schedule
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, launch_argv):
     root = tmp_path_factory.mktemp("moe_tp")
-    jobs = {root / "single": [*MOE, *SGD, "parallel=single", "checkpoint.every=5"]}
-    jobs.update({root / name: [*MOE, *SGD, *parallel, "train.stop_after=5"] for name, parallel in LAYOUTS.items()})
+    jobs = {root / "single": [*MOE, *SGD, "parallel=single", "checkpoint.every=5", *SAMPLES]}
+    jobs.update({root / name: [*MOE, *SGD, *parallel] for name, parallel in LAYOUTS.items()})
     run_all(jobs, launch_argv)
     return root
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_moe_layout_matches_single_process(layout, runs):
-    expected, got = losses(runs / "single")[:5], losses(runs / layout)
-    assert len(got) == 5
+    expected, got = losses(runs / "single"), losses(runs / layout)
+    assert len(got) == (6 if layout == "tp2" else 5)
     for a, b in zip(got, expected):
         assert abs(a - b) <= 1e-5 * abs(b), (got, expected)
     ours = saved_weights(runs / layout / "checkpoints" / "step_00000005")
@@ -78,3 +82,12 @@ def test_generate_tp2_on_a_moe_model_matches_transformers(save_tiny_hf, tmp_path
     assert code == 0, err
     rows = [{k: r[k] for k in ("prompt", "completion_ids")} for r in read_rows(tmp_path / "tp2.jsonl")]
     assert rows == expected_rows(hf, tok, 8)
+
+
+def test_tp2_samples_at_the_end_of_training_match_the_single_process(runs):
+    def samples(run_dir):
+        log = (run_dir / "launch.log").read_text()
+        return log[log.index("samples (greedy):"):].strip()  # the last lines of the run
+
+    assert samples(runs / "tp2") == samples(runs / "single")
+    assert samples(runs / "single").count("--- ") == 2

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -59,6 +59,10 @@ class LocalTokensMoE(ParallelStyle):
 
     The block sees a plain local tensor (and its share of the token mask), returns its output as the sequence
     shard of the stream again, and its statistics summed over the tensor axis: one all-reduce of 2E+1 numbers.
+    The router (`gate`) is replicated; it takes this rank's token rows as a row shard of the whole batch's rows,
+    so DTensor sums its weight gradient over the tensor axis. The shapes given to DTensor are the global ones,
+    the same on every rank even where the ranks hold different numbers of tokens (a decode step of one token),
+    so every rank takes the same collectives.
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -85,8 +89,15 @@ class LocalTokensMoE(ParallelStyle):
             # copies, not views of `total`: FSDP warns when a layer returns views
             return out_BSD, (total[:E].clone(), total[E:2 * E].clone(), total[2 * E].clone())
 
+        def router_rows(gate, inputs, mesh):
+            (x_ND,) = inputs
+            B, S, D = specs[-1][0]
+            return DTensor.from_local(x_ND, mesh, [Shard(0)], run_check=False, shape=(B * S, D), stride=(D, 1))
+
         module.register_forward_pre_hook(to_local)
         module.register_forward_hook(to_stream)
+        distribute_module(module.gate, device_mesh, input_fn=router_rows,  # parameters replicated
+                          output_fn=lambda gate, logits, mesh: logits.to_local())
         return module
 
 
@@ -107,8 +118,7 @@ def layer_plan(sequence_parallel: bool, moe: bool = False) -> dict:
         "self_attn.o_proj": RowwiseParallel(output_layouts=stream, use_local_output=not sequence_parallel),
     }
     if moe and sequence_parallel:
-        # The router runs on this rank's token rows: replicated weight, gradient summed over the tensor axis.
-        plan.update({"mlp": LocalTokensMoE(), "mlp.gate": SequenceParallel(sequence_dim=0, use_local_output=True)})
+        plan["mlp"] = LocalTokensMoE()
     elif not moe:
         plan.update({
             "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
