@@ -21,8 +21,8 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype, s
         param_dtype: compute dtype of the parameters (gradient reductions and master weights stay fp32).
         shard: shard over dp x cp (FSDP); False replicates over dp (HSDP with a dp replicate axis).
         reshard: free gathered parameters after forward (ZeRO-3-like) rather than keep them (ZeRO-2-like).
-        expert_mesh: with expert parallelism, the mesh to shard the experts over (the data ranks holding the
-            same experts); the experts become their own FSDP unit.
+        expert_mesh: with expert parallelism (or a MoE model under tensor parallelism), the mesh to shard the
+            experts over (the dp x cp x tp ranks holding the same experts); the experts become their own FSDP unit.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     shard_mesh = dims.data_mesh() if shard else dims.mesh["dp", "cp"]
