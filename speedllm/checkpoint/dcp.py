@@ -166,7 +166,7 @@ def _trained_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
     """
     frozen = {n.replace("_checkpoint_wrapped_module.", "") for n, p in model.named_parameters(remove_duplicate=False)
               if not p.requires_grad}
-    options = StateDictOptions(strict=not frozen)
+    options = StateDictOptions(strict=not frozen, flatten_optimizer_state_dict=True)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd, options
 
