@@ -3,7 +3,9 @@
 On disk, under the checkpoint root (cfg.checkpoint.dir):
 
     step_00000100/            one finished checkpoint
-        .metadata, *.distcp   model + optimizer (DCP, resharded on load to any parallel layout)
+        .metadata, *.distcp   model + optimizer (DCP, resharded on load to any parallel layout; the optimizer
+                              state and hyperparameters keyed by parameter name, so the parameter groups of
+                              another layout - EP's per-mesh groups, one pipeline rank's - do not matter)
         extra_rank<r>.pt      this rank's step, scheduler, data-loader position and RNG states
         config.yaml           the frozen run config
     .step_00000200.tmp/       a checkpoint being written (renamed when complete)

@@ -231,9 +231,7 @@ def _losses_as_vectors(module, args, output):
 
 def _moe_stats_as_keyword(module, args, kwargs):
     """A MoE stage receives (hidden states, running statistics): the statistics go to forward's moe_stats."""
-    if len(args) == 2:
-        return args[:1], {**kwargs, "moe_stats": args[1]}
-    return None
+    return args[:1], {**kwargs, "moe_stats": args[1]}
 
 
 _DTYPES = tuple(DTYPES.values())  # a dtype travels in the header as its index here
