@@ -17,8 +17,9 @@ pack_stats; each stage adds its layers in layer order, so the totals are the sin
 and the last stage computes the loss from them. The schedule's point-to-point backward then carries
 dL/dP = E * A / R^2 (times the loss scale) back to the stage owning each layer by plain autograd: exact under
 every schedule, with no extra collective. (Megatron's alternative, attaching each layer's share of the global
-loss's gradient in backward, needs the global A and R before the earlier stages' backward, which 1F1B does not
-order for us.)
+loss's gradient in backward, needs every micro-batch's totals A and R, known only after the last stage's forward,
+on every earlier stage before its backward: a message outside the schedule per micro-batch, which the second
+activation replaces.)
 """
 
 import copy
