@@ -1,13 +1,14 @@
 """MoE models on pipeline stages train like the single process (the load-balancing loss spans every stage).
 
-A 4-layer qwen3_moe_tiny whose layer 0 is dense (mlp_only_layers) runs 5 steps of a global batch of 8 sequences
-under pp2 x dp2 with ep2 and FSDP (4 ranks, 1F1B), pp2 with parallel.pp_layers=[1, 3] (the first stage has no
-MoE layer: it passes zero statistics on), pp2 with 2 virtual stages per rank (Interleaved1F1B) and the V-shaped
-ZBVZeroBubble (router_aux_loss_coef=1, so the load-balancing gradients weigh): losses within 1e-5 (relative) of the single process, parameters after step 5 within 1e-4.
-The pp2 x ep2 checkpoint then resumes under FSDP over 2 ranks and under one process with the single run's step-6
-loss. Before training, each pipeline layout's evaluation forward (Pipeline.forward_only) gives the single
-process' (ce_sum, aux) for one batch. One spawned job per world size runs its layouts in turn (one process
-group), through the training loop the launcher runs; the references run in this process.
+A 4-layer qwen3_moe_tiny whose layer 0 is dense (mlp_only_layers), with router_aux_loss_coef=1 so that the
+load-balancing gradients weigh, runs 5 steps of a global batch of 8 sequences under pp2 x dp2 with ep2 and FSDP
+(4 ranks, 1F1B), pp2 with parallel.pp_layers=[1, 3] (the first stage has no MoE layer: it passes zero statistics
+on), pp2 with 2 virtual stages per rank (Interleaved1F1B) and the V-shaped ZBVZeroBubble: losses within 1e-5
+(relative) of the single process, parameters after step 5 within 1e-4. The pp2 x ep2 checkpoint then resumes
+under FSDP over 2 ranks and under one process with the single run's step-6 loss. Before training, each pipeline
+layout's evaluation forward (Pipeline.forward_only) gives the single process' (ce_sum, aux) for one batch.
+One spawned job per world size runs its layouts in turn (one process group), through the training loop the
+launcher runs; the references run in this process.
 """
 
 import os
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.distributed
 
 MOE = ["model=qwen3_moe_tiny", "model.hidden_size=64", "model.moe_intermediate_size=32", "model.intermediate_size=64",
        "model.num_hidden_layers=4", "model.mlp_only_layers=[0]", "model.head_dim=16",
-       "model.router_aux_loss_coef=1.0"]  # a load-balancing gradient as large as the rest: a wrong one shows
+       "model.router_aux_loss_coef=1.0"]
 LAYOUTS = {  # name: (world size, parallel overrides)
     "pp2_ep2": (4, ["parallel=pp2", "parallel.dp=2", "parallel.ep=2"]),
     "pp2": (2, ["parallel=pp2", "parallel.pp_layers=[1,3]"]),
@@ -130,7 +131,8 @@ def test_moe_pipeline_evaluation_matches_single_process(layout, runs):
     ce_sum, aux = torch.load(runs / f"{layout}_eval.pt")
     ref_ce, ref_aux = torch.load(runs / "single_eval.pt")
     assert aux > 0
-    assert abs(ce_sum - ref_ce) <= 1e-5 * ref_ce and abs(aux - ref_aux) <= 1e-6 * ref_aux, (ce_sum, aux, ref_ce, ref_aux)
+    assert abs(ce_sum - ref_ce) <= 1e-5 * ref_ce and abs(aux - ref_aux) <= 1e-6 * ref_aux, (ce_sum, aux, ref_ce,
+                                                                                           ref_aux)
 
 
 @pytest.mark.parametrize("resumed", list(RESUMED))
