@@ -71,7 +71,8 @@ def evaluate_initial(path: Path, overrides, rank=0, world_size=1) -> None:
     seed_everything(cfg.seed)
     pm = build_model(cfg, runtime(cfg, rank, world_size))
     batch = next(iter(build_loader(cfg, "train", 0, 1, cfg.train.micro_batch_size, cfg.train.seq_len, cfg.seed)))
-    ce_sum, aux = pm(batch["tokens"], **model_inputs(batch))
+    with torch.no_grad():
+        ce_sum, aux = pm(batch["tokens"], **model_inputs(batch))
     if rank == 0:
         torch.save(torch.stack([ce_sum, aux]), path)
 
