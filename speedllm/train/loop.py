@@ -34,7 +34,7 @@ from speedllm.train.faults import BadSteps, Preemption
 from speedllm.train.metrics import MetricsLogger, flops_per_token, mfu, peak_memory_gb
 from speedllm.train.optimizer import build_optimizer, check_resumable
 from speedllm.train.samples import print_samples
-from speedllm.train.schedule import build_scheduler
+from speedllm.train.schedule import build_scheduler, load_scheduler_state
 
 
 def grad_accum_steps(train, dp_size: int) -> int:
@@ -189,7 +189,7 @@ def restore(cfg, rt: Runtime, pm: ParallelModel, optimizer, scheduler, loader) -
         check_resumable(resume_from, cfg.optim)
         extra = load_checkpoint(resume_from, pm.module, optimizer)
         step = extra["step"]
-        scheduler.load_state_dict(extra["scheduler"])
+        load_scheduler_state(scheduler, optimizer, extra["scheduler"])
         loader.load_state_dict(extra["loader"])
         set_rng_state(extra["rng"], rt.device)
         if rt.is_main:
