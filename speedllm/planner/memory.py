@@ -27,6 +27,7 @@ from torch import nn
 from speedllm.config.rules import ulysses_degree
 from speedllm.hardware import DTYPES
 from speedllm.ops.loss import chunk_rows
+from speedllm.parallel.fsdp import expert_shard_dim
 from speedllm.parallel.pipeline import stages_of_rank
 from speedllm.planner.layout import Layout
 from speedllm.train.optimizer import fused_adamw
@@ -134,14 +135,16 @@ def _chunk(n: int, k: int) -> int:
 
 
 def local_shape(t: Tensor, tp: int, ep: int, fsdp: int) -> Tuple[int, ...]:
-    """Shape of the first rank's piece of tensor t after TP, EP and then FSDP (dim 0) sharding."""
+    """Shape of the first rank's piece of tensor t after TP, EP and then FSDP (dim 0; experts:
+    speedllm.parallel.fsdp.expert_shard_dim) sharding."""
     shape = list(t.shape)
     if t.expert and ep > 1:
         shape[0] = _chunk(shape[0], ep)
     if t.tp_dim is not None and tp > 1:
         shape[t.tp_dim] = _chunk(shape[t.tp_dim], tp)
     if fsdp > 1:
-        shape[0] = _chunk(shape[0], fsdp)
+        dim = expert_shard_dim(shape[0], fsdp) if t.expert else 0
+        shape[dim] = _chunk(shape[dim], fsdp)
     return tuple(shape)
 
 
