@@ -73,6 +73,8 @@ def build_rank(cfg, rank: int, world: int) -> RankReport:
     """Rank `rank` of the `world`-rank job, built on the fake process group with the model on the meta device."""
     from speedllm.train.loop import meta_model
 
+    # kernels do not change what a rank holds, and the profile's op set (torch_npu) may not import here
+    cfg = replace(cfg, hardware=replace(cfg.hardware, ops="reference"))
     rt = init_fake_runtime(cfg, rank, world)
     dims = rt.dims
     pm = meta_model(cfg, rt, adapter_fn(cfg.finetune))
@@ -144,8 +146,6 @@ def size(num_bytes: int) -> str:
 
 def run(cfg, rt) -> None:
     """Build and report every rank of cfg.dryrun.ranks (default: sample_ranks) of the launcher's world."""
-    # kernels do not change what a rank holds, and the profile's op set (torch_npu) may not import here
-    cfg = replace(cfg, hardware=replace(cfg.hardware, ops="reference"))
     p, lc = cfg.parallel, cfg.launcher
     world = lc.nnodes * lc.nproc_per_node
     ranks = list(cfg.dryrun.ranks) if cfg.dryrun.ranks is not None else sample_ranks(p, world)

@@ -60,6 +60,18 @@ def test_dense_tp_pp_vpp_ranks_hold_the_planned_bytes(config):
         assert (r.params, r.grads, r.optimizer) == r.planned, r.rank
 
 
+@pytest.mark.parametrize("parallel", [["parallel=pp2_vpp2", "parallel.ep=2"], ["parallel=tp2", "parallel.ep=2"]])
+def test_moe_under_pipeline_and_tensor_parallel_holds_the_planned_bytes(config, parallel):
+    """MoE x PP and MoE x TP (validation may still refuse to train them): every sampled rank's experts, router
+    and stages as the planner costs them."""
+    cfg = config("model=qwen3_moe_tiny", *parallel, world=8)
+    for rank in sample_ranks(cfg.parallel, 8):
+        r = build_rank(cfg, rank, 8)
+        assert (r.params, r.grads, r.optimizer) == r.planned, rank
+        assert r.moe_layers == len(r.layers) == 4 // cfg.parallel.pp
+        assert r.experts == (4 * r.coords["ep"][0], 4 * r.coords["ep"][0] + 4)
+
+
 def test_dryrun_command_prints_one_line_per_rank(launch, tmp_path):
     code, out, err = launch(tmp_path / "run", "task=dryrun", "model=qwen3_moe_tiny", "parallel=ep2", "parallel.ep=4",
                             "parallel.dp=-1", "hardware=cpu", "launcher.nproc_per_node=32", "dryrun.ranks=[3,7]",
