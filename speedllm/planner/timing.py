@@ -98,9 +98,11 @@ def step_time(m, layout: Layout, hw, sp: StageParams, seq_len: int, global_batch
         volume = 2 * refwd * (layout.cp - 1) * n * kv * e  # gather K/V forward, reduce their gradient backward
         t.cp = volume * layers * num_micro / link_bandwidth(hw, layout.cp * layout.tp)
     if layout.ep > 1 and m.num_experts > 0:
-        # dispatch + combine forward, and their gradients backward
-        volume = 4 * refwd * ring(layout.ep) * n * m.num_experts_per_tok * h * e
-        t.ep = volume * layers * num_micro / link_bandwidth(hw, layout.ep * layout.tp)
+        # dispatch + combine forward, and their gradients backward, of this rank's tokens (its sequence shard
+        # under sequence parallel); an ep group is `ep` consecutive ranks of dp x cp x tp
+        routed = n / (layout.tp if layout.sequence_parallel else 1)
+        volume = 4 * refwd * ring(layout.ep) * routed * m.num_experts_per_tok * h * e
+        t.ep = volume * layers * num_micro / link_bandwidth(hw, layout.ep)
     if layout.pp > 1:
         sp_div = layout.tp if layout.sequence_parallel else 1
         volume = 2 * n * h * e / sp_div * layout.vpp  # activations forward, their gradient backward
