@@ -3,8 +3,8 @@
     python launch.py task=dryrun model=qwen3_235b_a22b parallel=pp4_ep32 hardware=npu_a2 \
         launcher.nnodes=16 launcher.nproc_per_node=16 [dryrun.ranks=[0,255]]
 
-For each simulated rank (dryrun.ranks; by default the first rank of the first and of the last pipeline stage,
-the first rank of another expert group, and the last rank) this process joins torch's fake process group as
+For each simulated rank (dryrun.ranks; by default the first and the last rank of the first and of the last
+pipeline stage, which hold the first and the last experts) this process joins torch's fake process group as
 that rank of the launcher's world (collectives do nothing), builds the device mesh, the model on the meta
 device and parallelizes it exactly as training does (speedllm.train.loop.meta_model: stage split, TP plans,
 expert placement, FSDP2), then the optimizer over it. Nothing is allocated.
@@ -51,14 +51,10 @@ class RankReport:
 
 
 def sample_ranks(parallel, world: int) -> List[int]:
-    """First rank of the first and of the last pipeline stage, first rank of the last expert group of the first
-    stage (other experts), and the last rank (last coordinate on every axis)."""
-    p = parallel
-    per_stage = world // p.pp
-    ranks = {0, (p.pp - 1) * per_stage, world - 1}
-    if p.ep > 1:
-        ranks.add((p.ep - 1) * p.tp)  # dp x cp index ep - 1: the last block of the expert axis
-    return sorted(ranks)
+    """The first and the last rank of the first and of the last pipeline stage: first and last coordinate on
+    every other axis, so the first and the last expert group too."""
+    per_stage = world // parallel.pp
+    return sorted({0, per_stage - 1, world - per_stage, world - 1})
 
 
 def planned_bytes(cfg, pp_rank: int) -> Tuple[int, int, int]:

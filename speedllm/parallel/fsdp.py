@@ -30,7 +30,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype, s
     for layer in model.layers.values():
         if expert_mesh is not None and layer.is_moe:
             experts = layer.mlp.experts
-            dim = expert_shard_dim(experts.gate_proj.to_local().shape[0], expert_mesh.size())
+            dim = expert_shard_dim(experts.gate_proj.shape[0] // dims.ep, expert_mesh.size())
             fully_shard(experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard,
                         shard_placement_fn=lambda param, dim=dim: Shard(dim))
         fully_shard(layer, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=reshard)
