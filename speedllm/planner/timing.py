@@ -12,6 +12,7 @@ reductions overlap with compute and only their excess shows.
 from dataclasses import dataclass
 
 from speedllm.hardware import DTYPES
+from speedllm.models.qwen3 import is_moe_layer
 from speedllm.planner.layout import Layout
 from speedllm.planner.memory import MASTER_BYTES, StageParams
 from speedllm.train.metrics import flops_per_token
@@ -24,6 +25,7 @@ class StepTime:
     """Seconds per step by component; `total` is their critical-path sum."""
 
     compute: float = 0.0
+    routing: float = 0.0  # MoE: permuting token rows into expert order and back (memory-bound)
     recompute: float = 0.0
     bubble: float = 0.0
     tp: float = 0.0
@@ -35,7 +37,7 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return (self.compute + self.recompute + self.bubble + self.tp + self.cp + self.ep + self.pp + self.dp
+        return (self.compute + self.routing + self.recompute + self.bubble + self.tp + self.cp + self.ep + self.pp + self.dp
                 + self.optimizer)
 
 
@@ -58,6 +60,21 @@ def gemm_efficiency(layout: Layout, m, seq_len: int, base: float) -> float:
     return base * rows / (rows + GEMM_HALF) * cols / (cols + GEMM_HALF)
 
 
+def expert_gemm_efficiency(layout: Layout, m, seq_len: int, base: float) -> float:
+    """The same for the routed experts' grouped matmuls: a rank's experts see the rows the ep group routes to
+    them (ep x its tokens x k / E per expert), by their width (moe_intermediate_size, not split by tp)."""
+    tokens = layout.micro_batch * seq_len / layout.cp / (layout.tp if layout.sequence_parallel else 1)
+    rows = layout.ep * tokens * m.num_experts_per_tok / m.num_experts
+    cols = m.moe_intermediate_size
+    return base * rows / (rows + GEMM_HALF) * cols / (cols + GEMM_HALF)
+
+
+def expert_flops_per_token(m) -> float:
+    """Training FLOPs per token of the routed experts' matmuls (part of flops_per_token)."""
+    moe_layers = sum(is_moe_layer(m, i) for i in range(m.num_hidden_layers))
+    return 6 * moe_layers * m.num_experts_per_tok * 3 * m.hidden_size * m.moe_intermediate_size
+
+
 def step_time(m, layout: Layout, hw, sp: StageParams, seq_len: int, global_batch: int, efficiency: float,
               selective_bytes: float = 0.0) -> StepTime:
     """Estimated seconds of one training step.
@@ -78,15 +95,23 @@ def step_time(m, layout: Layout, hw, sp: StageParams, seq_len: int, global_batch
     h = m.hidden_size
 
     rate = peak * gemm_efficiency(layout, m, seq_len, efficiency)
-    flops = flops_per_token(m, seq_len) * tokens
-    t.compute = flops / world / rate
+    expert_rate = peak * expert_gemm_efficiency(layout, m, seq_len, efficiency) if m.num_experts else rate
+    expert = expert_flops_per_token(m) if m.num_experts else 0.0
+    dense = flops_per_token(m, seq_len) - expert
+    t.compute = (dense / rate + expert / expert_rate) * tokens / world
+    if m.num_experts:
+        # memory-bound routing per MoE layer, forward and backward: the rows gathered into expert order and
+        # back, the weighted combine (each ~2 reads/writes of k rows of h per token)
+        moe_layers = expert / (6 * m.num_experts_per_tok * 3 * h * m.moe_intermediate_size)
+        t.routing = 3 * 2 * 2 * m.num_experts_per_tok * h * e * moe_layers * tokens / world / (
+            hw.memory_bandwidth_gbps * 1e9)
     if layout.recompute == "full":
         head = 6 * m.vocab_size * h
-        t.recompute = (flops_per_token(m, seq_len) - head) / 3 * tokens / world / rate
+        t.recompute = ((dense - head) / rate + expert / expert_rate) / 3 * tokens / world + t.routing / 3
     elif layout.recompute == "selective":
         t.recompute = 2 * selective_bytes * layers * num_micro / (hw.memory_bandwidth_gbps * 1e9)
     if layout.pp > 1:
-        t.bubble = (layout.pp - 1) / (layout.vpp * num_micro) * (t.compute + t.recompute)
+        t.bubble = (layout.pp - 1) / (layout.vpp * num_micro) * (t.compute + t.routing + t.recompute)
 
     refwd = 1.5 if layout.recompute == "full" else 1.0  # a re-run forward repeats the forward's collectives
     if layout.tp > 1:
