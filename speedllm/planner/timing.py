@@ -37,8 +37,8 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return (self.compute + self.routing + self.recompute + self.bubble + self.tp + self.cp + self.ep + self.pp + self.dp
-                + self.optimizer)
+        return (self.compute + self.routing + self.recompute + self.bubble + self.tp + self.cp + self.ep + self.pp
+                + self.dp + self.optimizer)
 
 
 def link_bandwidth(hw, span: int) -> float:
@@ -69,10 +69,8 @@ def expert_gemm_efficiency(layout: Layout, m, seq_len: int, base: float) -> floa
     return base * rows / (rows + GEMM_HALF) * cols / (cols + GEMM_HALF)
 
 
-def expert_flops_per_token(m) -> float:
-    """Training FLOPs per token of the routed experts' matmuls (part of flops_per_token)."""
-    moe_layers = sum(is_moe_layer(m, i) for i in range(m.num_hidden_layers))
-    return 6 * moe_layers * m.num_experts_per_tok * 3 * m.hidden_size * m.moe_intermediate_size
+def num_moe_layers(m) -> int:
+    return sum(is_moe_layer(m, i) for i in range(m.num_hidden_layers))
 
 
 def step_time(m, layout: Layout, hw, sp: StageParams, seq_len: int, global_batch: int, efficiency: float,
@@ -95,16 +93,16 @@ def step_time(m, layout: Layout, hw, sp: StageParams, seq_len: int, global_batch
     h = m.hidden_size
 
     rate = peak * gemm_efficiency(layout, m, seq_len, efficiency)
-    expert_rate = peak * expert_gemm_efficiency(layout, m, seq_len, efficiency) if m.num_experts else rate
-    expert = expert_flops_per_token(m) if m.num_experts else 0.0
+    moe_layers = num_moe_layers(m)
+    expert_rate = peak * expert_gemm_efficiency(layout, m, seq_len, efficiency) if moe_layers else rate
+    # training FLOPs per token of the routed experts' matmuls, part of flops_per_token
+    expert = 6 * moe_layers * m.num_experts_per_tok * 3 * h * m.moe_intermediate_size
     dense = flops_per_token(m, seq_len) - expert
     t.compute = (dense / rate + expert / expert_rate) * tokens / world
-    if m.num_experts:
-        # memory-bound routing per MoE layer, forward and backward: the rows gathered into expert order and
-        # back, the weighted combine (each ~2 reads/writes of k rows of h per token)
-        moe_layers = expert / (6 * m.num_experts_per_tok * 3 * h * m.moe_intermediate_size)
-        t.routing = 3 * 2 * 2 * m.num_experts_per_tok * h * e * moe_layers * tokens / world / (
-            hw.memory_bandwidth_gbps * 1e9)
+    # memory-bound routing per MoE layer: the k rows of each token permuted into expert order, back, and
+    # combined (3 passes, each a read and a write), forward and backward
+    t.routing = 3 * 2 * 2 * m.num_experts_per_tok * h * e * moe_layers * tokens / world / (
+        hw.memory_bandwidth_gbps * 1e9)
     if layout.recompute == "full":
         head = 6 * m.vocab_size * h
         t.recompute = ((dense - head) / rate + expert / expert_rate) / 3 * tokens / world + t.routing / 3
