@@ -16,9 +16,9 @@ which holds the most when a dimension does not split evenly (torch.chunk gives l
 """
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -47,7 +47,8 @@ class RankReport:
     params: int = 0  # bytes
     grads: int = 0
     optimizer: int = 0
-    planned: Tuple[int, int, int] = field(default=(0, 0, 0))  # the planner's (params, grads, optimizer) bytes
+    # the planner's (params, grads, optimizer) bytes; None: it costs full training, not these adapters
+    planned: Optional[Tuple[int, int, int]] = None
 
 
 def sample_ranks(parallel, world: int) -> List[int]:
@@ -99,7 +100,8 @@ def build_rank(cfg, rank: int, world: int) -> RankReport:
             local = p.to_local() if isinstance(p, DTensor) else p
             report.grads += local.numel() * local.element_size()  # FSDP2 reduce-scatters to the param's shard
             report.optimizer += state_numel(cfg.optim, tuple(local.shape)) * local.element_size()
-    report.planned = planned_bytes(cfg, coords["pp"][0])
+    if cfg.finetune.name == "full":
+        report.planned = planned_bytes(cfg, coords["pp"][0])
     return report
 
 
@@ -128,7 +130,9 @@ def line(r: RankReport) -> str:
             held += f" sharded over {r.expert_shards}"
     mine = (r.params, r.grads, r.optimizer)
     sizes = " ".join(f"{name} {size(value)}" for name, value in zip(("params", "grads", "optimizer"), mine))
-    if mine == r.planned:
+    if r.planned is None:
+        check = "task=plan costs full training, not these adapters"
+    elif mine == r.planned:
         check = "= task=plan's exact bytes"
     else:
         check = "task=plan (first rank of this stage): " + " ".join(size(v) for v in r.planned)
