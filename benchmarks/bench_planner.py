@@ -1,7 +1,8 @@
 """The planner's tables for BENCHMARKS.md: MindSpeed-LLM's published Qwen3 layouts against the planner's own
-choice, and predicted against measured memory of the tiny models on this CPU.
+choice, their MoE layouts built rank by rank (task=dryrun) beside the planner's bytes, and predicted against
+measured memory of the tiny models on this CPU.
 
-    python benchmarks/bench_planner.py            # both tables (the measured one spawns 2-rank CPU runs)
+    python benchmarks/bench_planner.py            # all tables (the measured one spawns 2-rank CPU runs)
     python benchmarks/bench_planner.py --no-measure
 """
 
@@ -14,6 +15,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from speedllm.config import compose_config  # noqa: E402
+from speedllm.config.schema import typed  # noqa: E402
+from speedllm.dryrun import build_rank, sample_ranks  # noqa: E402
 from speedllm.hardware import load_profile  # noqa: E402
 from speedllm.planner.layout import layout_from_config  # noqa: E402
 from speedllm.planner.measure import measure_layout, measure_training_step  # noqa: E402
@@ -40,6 +43,36 @@ def mindspeed_table() -> None:
         print(f"| {name} | {world} x {hw_name} | {theirs.layout.short()} | {theirs.memory.total / GIB:.1f}"
               f"{'' if theirs.fits else ' (too big)'} | {theirs.tokens_per_s:,.0f} | {best.layout.short()} | "
               f"{best.memory.total / GIB:.1f} | {best.tokens_per_s:,.0f} | {seconds:.1f} |")
+
+
+# model, parallel option, ranks, overrides: MindSpeed's MoE layouts and the planner's 235B choice on 256 NPUs
+BUILT = [("qwen3_30b_a3b", "pp2_ep8", 16, []),
+         ("qwen3_235b_a22b", "pp4_ep32", 256, []),
+         # MindSpeed's published one: vpp 8 (they pad 94 layers to 96; here 94 split over 32 stages)
+         ("qwen3_235b_a22b", "pp4_ep32", 256, ["parallel.vpp=8", "parallel.pp_schedule=Interleaved1F1B",
+                                               "parallel.pp_layers=[2,3,3,3,3,3,3,3,3,3,3,3,3,3,3,3,3,3,3,3,3,3,3,"
+                                               "3,3,3,3,3,3,3,3,2]"]),
+         ("qwen3_235b_a22b", "ep2", 256, ["parallel.ep=8"])]
+
+
+def dryrun_table() -> None:
+    print("| model | layout | ranks | built ranks (task=dryrun) | params GiB | grads GiB | optimizer GiB | "
+          "= planner's bytes | build s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for model, parallel, world, overrides in BUILT:
+        cfg = compose_config("task=dryrun", "hardware=npu_a2", f"model={model}", f"parallel={parallel}", *overrides)
+        cfg.parallel.dp = world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
+        cfg.launcher.nproc_per_node, cfg.run_dir = world, "unused"
+        cfg = typed(cfg)
+        start = time.perf_counter()
+        reports = [build_rank(cfg, rank, world) for rank in sample_ranks(cfg.parallel, world)]
+        seconds = time.perf_counter() - start
+        top = max(reports, key=lambda r: r.params)
+        equal = sum((r.params, r.grads, r.optimizer) == r.planned for r in reports)
+        layout = " ".join(layout_from_config(cfg.parallel, cfg.train).short().split()[:-2])  # without mb, recompute
+        print(f"| {model} | {layout} | {world} | {', '.join(str(r.rank) for r in reports)} | "
+              f"{top.params / GIB:.3f} | {top.grads / GIB:.3f} | {top.optimizer / GIB:.3f} | "
+              f"{equal} of {len(reports)} ranks | {seconds:.1f} |")
 
 
 def measured_table() -> None:
@@ -74,6 +107,8 @@ if __name__ == "__main__":
     parser.add_argument("--no-measure", action="store_true", help="only the MindSpeed table")
     args = parser.parse_args()
     mindspeed_table()
+    print()
+    dryrun_table()
     if not args.no_measure:
         print()
         measured_table()

@@ -24,7 +24,8 @@ from speedllm.hardware import detect, load_profile
 from speedllm.runtime import Runtime, init_runtime, under_torchrun
 
 FROZEN_NAME = "config.yaml"
-KEEPS_NOTHING = ("plan", "doctor")  # tasks whose run directory is removed when they succeed
+KEEPS_NOTHING = ("plan", "dryrun", "doctor")  # tasks whose run directory is removed when they succeed
+NO_DEVICES = ("plan", "dryrun")  # tasks about a job on devices this machine may lack: a plain CPU runtime
 
 
 def resolve_hardware(cfg: DictConfig) -> None:
@@ -145,7 +146,7 @@ def _run_under_torchrun(cfg: DictConfig) -> None:
 def freeze_and_run(cfg: DictConfig) -> None:
     resolve_hardware(cfg)
     validate_values(cfg)
-    if cfg.task.name != "plan":
+    if not cfg.task.in_process:  # a job that is not launched needs no rendezvous
         resolve_nodes(cfg)
     world, nproc = resolve_layout(cfg)
     validate(cfg, world, nproc)
@@ -163,8 +164,7 @@ def freeze_and_run(cfg: DictConfig) -> None:
     if cfg.task.name not in KEEPS_NOTHING:
         print(f"run dir: {cfg.run_dir}")
     if world == 1 or cfg.task.in_process:
-        # planning targets devices this machine may lack: it gets a plain CPU runtime
-        run_task(cfg, Runtime() if cfg.task.name == "plan" else init_runtime(cfg, distributed=False))
+        run_task(cfg, Runtime() if cfg.task.name in NO_DEVICES else init_runtime(cfg, distributed=False))
     else:
         _spawn(cfg, frozen, nproc)
 

@@ -89,4 +89,17 @@ def init_runtime(cfg: DictConfig, distributed: bool = True) -> Runtime:
                    ep=cfg.parallel.ep if mesh is not None else 1)
 
 
-__all__ = ["Runtime", "init_runtime", "seed_everything", "under_torchrun"]
+def init_fake_runtime(cfg, rank: int, world_size: int) -> Runtime:
+    """Rank `rank` of a `world_size`-rank job on torch's fake process group: the mesh and every process group
+    are built as on the real job, collectives do nothing (task=dryrun, with the model on the meta device).
+    Destroys a previous (fake) default group, so one process can play several ranks in turn."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=rank, world_size=world_size)
+    mesh = build_mesh(cfg.parallel, "cpu")
+    return Runtime(rank=rank, world_size=world_size, device=torch.device("meta"), mesh=mesh, ep=cfg.parallel.ep)
+
+
+__all__ = ["Runtime", "init_fake_runtime", "init_runtime", "seed_everything", "under_torchrun"]

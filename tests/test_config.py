@@ -237,6 +237,8 @@ LAYOUT_ERRORS = {
         "parallel.ep=2 needs a MoE model but qwen3_0.6b is dense; set parallel.ep=1",
     ("qwen3_0.6b", "pp2_ep8"):
         "parallel.ep=8 needs a MoE model but qwen3_0.6b is dense; set parallel.ep=1",
+    ("qwen3_0.6b", "pp2_vpp2_ep8"):
+        "parallel.ep=8 needs a MoE model but qwen3_0.6b is dense; set parallel.ep=1",
     ("qwen3_0.6b", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=28 of model qwen3_0.6b",
     ("qwen3_0.6b", "tp2_ep2"):
@@ -246,6 +248,8 @@ LAYOUT_ERRORS = {
     ("qwen3_1.7b", "ep2"):
         "parallel.ep=2 needs a MoE model but qwen3_1.7b is dense; set parallel.ep=1",
     ("qwen3_1.7b", "pp2_ep8"):
+        "parallel.ep=8 needs a MoE model but qwen3_1.7b is dense; set parallel.ep=1",
+    ("qwen3_1.7b", "pp2_vpp2_ep8"):
         "parallel.ep=8 needs a MoE model but qwen3_1.7b is dense; set parallel.ep=1",
     ("qwen3_1.7b", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=28 of model qwen3_1.7b",
@@ -257,36 +261,24 @@ LAYOUT_ERRORS = {
         "parallel.ep=2 needs a MoE model but qwen3_14b is dense; set parallel.ep=1",
     ("qwen3_14b", "pp2_ep8"):
         "parallel.ep=8 needs a MoE model but qwen3_14b is dense; set parallel.ep=1",
+    ("qwen3_14b", "pp2_vpp2_ep8"):
+        "parallel.ep=8 needs a MoE model but qwen3_14b is dense; set parallel.ep=1",
     ("qwen3_14b", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=40 of model qwen3_14b",
     ("qwen3_14b", "tp2_ep2"):
         "parallel.ep=2 needs a MoE model but qwen3_14b is dense; set parallel.ep=1",
     ("qwen3_14b", "tp8_pp2_vpp8"):
         "model.num_hidden_layers=40 of model qwen3_14b cannot be split evenly over parallel.pp=2 x parallel.vpp=8 = 16 stages; use pp*vpp in {1, 2, 4, 5, 8, 10, 20, 40} or list the layers per stage in parallel.pp_layers",
-    ("qwen3_235b_a22b", "pp2"):
-        "parallel.pp=2 with MoE model qwen3_235b_a22b is not supported (the load-balancing loss spans all layers); use parallel.pp=1 and parallel.ep for the experts",
-    ("qwen3_235b_a22b", "pp2_ep8"):
-        "parallel.pp=2 with MoE model qwen3_235b_a22b is not supported (the load-balancing loss spans all layers); use parallel.pp=1 and parallel.ep for the experts",
     ("qwen3_235b_a22b", "pp2_vpp2"):
         "model.num_hidden_layers=94 of model qwen3_235b_a22b cannot be split evenly over parallel.pp=2 x parallel.vpp=2 = 4 stages; use pp*vpp in {1, 2, 47, 94} or list the layers per stage in parallel.pp_layers",
-    ("qwen3_235b_a22b", "pp4_ep32"):
-        "parallel.pp=4 with MoE model qwen3_235b_a22b is not supported (the load-balancing loss spans all layers); use parallel.pp=1 and parallel.ep for the experts",
-    ("qwen3_235b_a22b", "tp2_pp2"):
-        "parallel.pp=2 with MoE model qwen3_235b_a22b is not supported (the load-balancing loss spans all layers); use parallel.pp=1 and parallel.ep for the experts",
+    ("qwen3_235b_a22b", "pp2_vpp2_ep8"):
+        "model.num_hidden_layers=94 of model qwen3_235b_a22b cannot be split evenly over parallel.pp=2 x parallel.vpp=2 = 4 stages; use pp*vpp in {1, 2, 47, 94} or list the layers per stage in parallel.pp_layers",
     ("qwen3_235b_a22b", "tp8"):
         "parallel.tp=8 does not divide num_key_value_heads=4 of model qwen3_235b_a22b; use tp in {1, 2, 4}",
     ("qwen3_235b_a22b", "tp8_pp2_vpp8"):
         "parallel.tp=8 does not divide num_key_value_heads=4 of model qwen3_235b_a22b; use tp in {1, 2, 4}",
-    ("qwen3_30b_a3b", "pp2"):
-        "parallel.pp=2 with MoE model qwen3_30b_a3b is not supported (the load-balancing loss spans all layers); use parallel.pp=1 and parallel.ep for the experts",
-    ("qwen3_30b_a3b", "pp2_ep8"):
-        "parallel.pp=2 with MoE model qwen3_30b_a3b is not supported (the load-balancing loss spans all layers); use parallel.pp=1 and parallel.ep for the experts",
-    ("qwen3_30b_a3b", "pp2_vpp2"):
-        "parallel.pp=2 with MoE model qwen3_30b_a3b is not supported (the load-balancing loss spans all layers); use parallel.pp=1 and parallel.ep for the experts",
     ("qwen3_30b_a3b", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=48 of model qwen3_30b_a3b",
-    ("qwen3_30b_a3b", "tp2_pp2"):
-        "parallel.pp=2 with MoE model qwen3_30b_a3b is not supported (the load-balancing loss spans all layers); use parallel.pp=1 and parallel.ep for the experts",
     ("qwen3_30b_a3b", "tp8"):
         "parallel.tp=8 does not divide num_key_value_heads=4 of model qwen3_30b_a3b; use tp in {1, 2, 4}",
     ("qwen3_30b_a3b", "tp8_pp2_vpp8"):
@@ -295,6 +287,8 @@ LAYOUT_ERRORS = {
         "parallel.ep=2 needs a MoE model but qwen3_32b is dense; set parallel.ep=1",
     ("qwen3_32b", "pp2_ep8"):
         "parallel.ep=8 needs a MoE model but qwen3_32b is dense; set parallel.ep=1",
+    ("qwen3_32b", "pp2_vpp2_ep8"):
+        "parallel.ep=8 needs a MoE model but qwen3_32b is dense; set parallel.ep=1",
     ("qwen3_32b", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=64 of model qwen3_32b",
     ("qwen3_32b", "tp2_ep2"):
@@ -302,6 +296,8 @@ LAYOUT_ERRORS = {
     ("qwen3_4b", "ep2"):
         "parallel.ep=2 needs a MoE model but qwen3_4b is dense; set parallel.ep=1",
     ("qwen3_4b", "pp2_ep8"):
+        "parallel.ep=8 needs a MoE model but qwen3_4b is dense; set parallel.ep=1",
+    ("qwen3_4b", "pp2_vpp2_ep8"):
         "parallel.ep=8 needs a MoE model but qwen3_4b is dense; set parallel.ep=1",
     ("qwen3_4b", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=36 of model qwen3_4b",
@@ -313,22 +309,16 @@ LAYOUT_ERRORS = {
         "parallel.ep=2 needs a MoE model but qwen3_8b is dense; set parallel.ep=1",
     ("qwen3_8b", "pp2_ep8"):
         "parallel.ep=8 needs a MoE model but qwen3_8b is dense; set parallel.ep=1",
+    ("qwen3_8b", "pp2_vpp2_ep8"):
+        "parallel.ep=8 needs a MoE model but qwen3_8b is dense; set parallel.ep=1",
     ("qwen3_8b", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=36 of model qwen3_8b",
     ("qwen3_8b", "tp2_ep2"):
         "parallel.ep=2 needs a MoE model but qwen3_8b is dense; set parallel.ep=1",
     ("qwen3_8b", "tp8_pp2_vpp8"):
         "model.num_hidden_layers=36 of model qwen3_8b cannot be split evenly over parallel.pp=2 x parallel.vpp=8 = 16 stages; use pp*vpp in {1, 2, 3, 4, 6, 9, 12, 18, 36} or list the layers per stage in parallel.pp_layers",
-    ("qwen3_moe_tiny", "pp2"):
-        "parallel.pp=2 with MoE model qwen3_moe_tiny is not supported (the load-balancing loss spans all layers); use parallel.pp=1 and parallel.ep for the experts",
-    ("qwen3_moe_tiny", "pp2_ep8"):
-        "parallel.pp=2 with MoE model qwen3_moe_tiny is not supported (the load-balancing loss spans all layers); use parallel.pp=1 and parallel.ep for the experts",
-    ("qwen3_moe_tiny", "pp2_vpp2"):
-        "parallel.pp=2 with MoE model qwen3_moe_tiny is not supported (the load-balancing loss spans all layers); use parallel.pp=1 and parallel.ep for the experts",
     ("qwen3_moe_tiny", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=4 of model qwen3_moe_tiny",
-    ("qwen3_moe_tiny", "tp2_pp2"):
-        "parallel.pp=2 with MoE model qwen3_moe_tiny is not supported (the load-balancing loss spans all layers); use parallel.pp=1 and parallel.ep for the experts",
     ("qwen3_moe_tiny", "tp8"):
         "parallel.tp=8 does not divide num_attention_heads=4 of model qwen3_moe_tiny; use tp in {1, 2}",
     ("qwen3_moe_tiny", "tp8_pp2_vpp8"):
@@ -336,6 +326,8 @@ LAYOUT_ERRORS = {
     ("qwen3_tiny", "ep2"):
         "parallel.ep=2 needs a MoE model but qwen3_tiny is dense; set parallel.ep=1",
     ("qwen3_tiny", "pp2_ep8"):
+        "parallel.ep=8 needs a MoE model but qwen3_tiny is dense; set parallel.ep=1",
+    ("qwen3_tiny", "pp2_vpp2_ep8"):
         "parallel.ep=8 needs a MoE model but qwen3_tiny is dense; set parallel.ep=1",
     ("qwen3_tiny", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=4 of model qwen3_tiny",

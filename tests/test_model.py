@@ -114,8 +114,13 @@ def test_pipeline_style_stages_reproduce_full_model(hf_pair):
     last.embed_tokens = None
     del last.layers["0"], last.layers["1"]
     tokens = torch.randint(0, VOCAB, (2, 10))
+    labels = torch.randint(0, VOCAB, (2, 10))
     with torch.no_grad():
-        assert torch.equal(last(first(tokens)), ours(tokens))
+        h, moe_stats = first(tokens)  # a MoE stage passes the running load-balancing statistics on
+        assert torch.equal(last(h, moe_stats=moe_stats), ours(tokens))
+        ce_sum, aux = last(h, labels=labels, moe_stats=moe_stats)
+        ref_ce_sum, ref_aux = ours(tokens, labels=labels)
+    assert aux > 0 and torch.equal(aux, ref_aux) and torch.equal(ce_sum, ref_ce_sum)
 
 
 def test_meta_init_matches_direct_init(tiny_model_cfg):

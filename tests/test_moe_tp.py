@@ -1,9 +1,10 @@
 """MoE under tensor + sequence parallelism trains like the single process, through the real launcher on CPU/gloo.
 
 qwen3_moe_tiny with one dense MLP layer (mlp_only_layers) and one MoE layer runs 5 steps under `tp2` (2 ranks:
-experts FSDP-sharded over the tp pair) and `tp2_ep2` (4 ranks, dp2 x tp2: experts split over each tp pair,
-FSDP across dp). Losses must agree with the single process within 1e-5 (relative), parameters after step 5
-within 1e-4; the tp2_ep2 checkpoint then resumes in one process with the single run's step-6 loss.
+experts FSDP-sharded over the tp pair), `tp2_ep2` (4 ranks, dp2 x tp2: experts split over each tp pair,
+FSDP across dp) and `tp2_pp2` (4 ranks: the MoE layer on the second stage, its statistics carried by the
+pipeline). Losses must agree with the single process within 1e-5 (relative), parameters after step 5 within
+1e-4; the tp2_ep2 checkpoint then resumes in one process with the single run's step-6 loss.
 
 The optimizer is SGD, not AdamW: AdamW's update lr * m / (sqrt(v) + eps) turns a rounding-level difference in a
 gradient element near zero (|g| ~ eps = 1e-8) into a change of up to lr/2 -- on this data one embedding element
@@ -26,7 +27,8 @@ MOE = ["model=qwen3_moe_tiny", "model.hidden_size=64", "model.moe_intermediate_s
 # shards of one token, so one rank routes no tokens at a decode step); the single run prints them too.
 SAMPLES = ["generate.num_samples=2", "generate.max_new_tokens=6"]
 LAYOUTS = {"tp2": ["parallel=tp2", "checkpoint.every=5", *SAMPLES],
-           "tp2_ep2": ["parallel=tp2_ep2", "train.stop_after=5"]}
+           "tp2_ep2": ["parallel=tp2_ep2", "train.stop_after=5"],
+           "tp2_pp2": ["parallel=tp2_pp2", "train.stop_after=5"]}  # 1F1B; stage 0 the dense layer
 SGD = ["optim=sgd"]  # test_parallel.RUN sets a constant schedule
 
 
@@ -53,10 +55,6 @@ def test_moe_layout_matches_single_process(layout, runs):
     assert not torch.equal(theirs["norm.weight"], torch.ones_like(theirs["norm.weight"]))  # it trained
 
 
-# Loading the optimizer state of EP's per-mesh parameter groups into one process' groups needs the
-# layout-independent optimizer checkpoint of branch h/a (flatten_optimizer_state_dict, scheduler step count);
-# with it merged this passes (checked 23:42 UTC): drop the marker then.
-@pytest.mark.xfail(strict=True, reason="optimizer groups differ between layouts until h/a's checkpoint change")
 def test_tp2_ep2_checkpoint_resumes_in_a_single_process(runs, tmp_path, launch_argv):
     checkpoint = runs / "tp2_ep2" / "checkpoints" / "step_00000005"
     run_all({tmp_path: [*MOE, *SGD, "parallel=single", f"checkpoint.load={checkpoint}"]}, launch_argv)

@@ -3,6 +3,7 @@
 import importlib
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -45,6 +46,18 @@ def test_elementwise_ops_match_reference(impl, device):
     check(lambda x: ops.rotary(x, cos, sin), lambda x: reference.rotary(x, cos, sin),
           [rand(2, 5, 3, 64, device=device)], 1e-5)
     check(ops.swiglu, reference.swiglu, [rand(4, 7, 48, device=device), rand(4, 7, 48, device=device)], 1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_rms_norm_of_a_bf16_input_with_an_fp32_weight_stays_fused(impl, device):
+    """As under bf16 autocast: a mixed-dtype call would fall back to unfused ops (torch warns) on a GPU."""
+    x, w = rand(2, 5, 64, device=device).bfloat16(), rand(64, device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = get_ops(impl).rms_norm(x, w, 1e-6)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, reference.rms_norm(x, w, 1e-6).bfloat16())  # bf16 tolerances
 
 
 def attention_cases(device):

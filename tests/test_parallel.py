@@ -23,6 +23,7 @@ DENSE = ["model=qwen3_tiny", "model.hidden_size=64", "model.intermediate_size=12
          "model.head_dim=16"]
 MOE = ["model=qwen3_moe_tiny", "model.hidden_size=64", "model.moe_intermediate_size=32",
        "model.num_hidden_layers=2", "model.head_dim=16"]
+MOE2 = [*MOE, "model.num_experts=2", "model.num_experts_per_tok=1"]  # one expert per ep rank, FSDP2 shards it by rows over its 2 edp ranks
 # A constant LR after 2 warmup steps: the schedule does not depend on train.steps, so runs that stop at
 # step 5 (stop_after) and runs that go on to step 6 see the same learning rates.
 RUN = ["hardware=cpu", "train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=8",
@@ -38,7 +39,9 @@ LAYOUTS = {  # name: (model, parallel overrides)
     "tp2_pp2": (DENSE, ["parallel=tp2_pp2"]),
     "cp2": (DENSE, ["parallel=cp2"]),
     "ep2": (MOE, ["parallel=ep2"]),
+    "ep2_dp4": (MOE2, ["parallel=ep2", "parallel.dp=4"]),
 }
+REFERENCES = {id(DENSE): "single", id(MOE): "single_moe", id(MOE2): "single_moe2"}  # single-process run dirs
 CONCURRENT = 3
 
 
@@ -85,7 +88,8 @@ def runs(tmp_path_factory, launch_argv):
     """Run directories: single-process references (6 steps), every layout (5 steps, checkpoint at 5)."""
     root = tmp_path_factory.mktemp("parallel")
     jobs = {root / "single": [*DENSE, "parallel=single", "checkpoint.every=5"],
-            root / "single_moe": [*MOE, "parallel=single", "checkpoint.every=5"]}
+            root / "single_moe": [*MOE, "parallel=single", "checkpoint.every=5"],
+            root / "single_moe2": [*MOE2, "parallel=single", "checkpoint.every=5"]}
     for name, (model, parallel) in LAYOUTS.items():
         jobs[root / name] = [*model, *parallel, "train.stop_after=5"]
     run_all(jobs, launch_argv)
@@ -94,7 +98,7 @@ def runs(tmp_path_factory, launch_argv):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_process(layout, runs):
-    reference = runs / ("single_moe" if LAYOUTS[layout][0] is MOE else "single")
+    reference = runs / REFERENCES[id(LAYOUTS[layout][0])]
     expected, got = losses(reference)[:5], losses(runs / layout)
     assert len(got) == 5
     for a, b in zip(got, expected):

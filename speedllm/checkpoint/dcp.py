@@ -3,7 +3,9 @@
 On disk, under the checkpoint root (cfg.checkpoint.dir):
 
     step_00000100/            one finished checkpoint
-        .metadata, *.distcp   model + optimizer (DCP, resharded on load to any parallel layout)
+        .metadata, *.distcp   model + optimizer (DCP, resharded on load to any parallel layout; the optimizer
+                              state and hyperparameters keyed by parameter name, so the parameter groups of
+                              another layout - EP's per-mesh groups, one pipeline rank's - do not matter)
         extra_rank<r>.pt      this rank's step, scheduler, data-loader position and RNG states
         config.yaml           the frozen run config
     .step_00000200.tmp/       a checkpoint being written (renamed when complete)
@@ -166,7 +168,7 @@ def _trained_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
     """
     frozen = {n.replace("_checkpoint_wrapped_module.", "") for n, p in model.named_parameters(remove_duplicate=False)
               if not p.requires_grad}
-    options = StateDictOptions(strict=not frozen)
+    options = StateDictOptions(strict=not frozen, flatten_optimizer_state_dict=True)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd, options
 

@@ -70,9 +70,6 @@ def layout_errors(model, *, tp: int, pp: int, vpp: int, ep: int, cp: int, dp: in
     if m.num_experts > 0 and tp > 1 and not sequence_parallel:
         errors.append(f"parallel.tp={tp} with MoE model {name} needs sequence parallel (each tp rank routes its own "
                       "tokens); set parallel.sequence_parallel=true")
-    if m.num_experts > 0 and pp > 1:
-        errors.append(f"parallel.pp={pp} with MoE model {name} is not supported (the load-balancing loss spans all "
-                      "layers); use parallel.pp=1 and parallel.ep for the experts")
     if cp > 1 and pp > 1:
         errors.append(f"parallel.cp={cp} with parallel.pp={pp} is not supported (context parallelism hooks the "
                       "whole model); use parallel.pp=1 with cp, or cp=1 with pp")

@@ -98,7 +98,7 @@ class QuantConfig:
 class TaskConfig:
     """What the run does: conf/task/<name>.yaml names the callable `_target_(cfg, rt)` that runs it."""
 
-    name: str = "pretrain"  # pretrain | sft | dpo | generate | chat | serve | evaluate | preprocess | convert | plan | doctor
+    name: str = "pretrain"  # pretrain | sft | dpo | generate | chat | serve | evaluate | preprocess | convert | plan | dryrun | doctor
     _target_: str = "speedllm.train.loop.run"
     # planning or converting between machines: one process, no devices (the world size is not launched)
     in_process: bool = False
@@ -313,6 +313,11 @@ class PlanConfig:
 
 
 @dataclass
+class DryrunConfig:
+    ranks: Optional[List[int]] = None  # simulated ranks of task=dryrun; None: first/last stage, two expert groups
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = MISSING
     parallel: ParallelConfig = MISSING
@@ -330,6 +335,7 @@ class RunConfig:
     convert: ConvertConfig = field(default_factory=ConvertConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    dryrun: DryrunConfig = field(default_factory=DryrunConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
     seed: int = 1234

@@ -199,7 +199,8 @@ def check_task(cfg: DictConfig, world_size: int) -> None:
 
 def check_batch(cfg: DictConfig) -> None:
     t, p, m = cfg.train, cfg.parallel, cfg.model
-    if t.global_batch_size % (t.micro_batch_size * p.dp):
+    # a dry run builds the ranks, not a step's batch
+    if t.global_batch_size % (t.micro_batch_size * p.dp) and cfg.task.name != "dryrun":
         raise UserError(f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="
                         f"{t.micro_batch_size} x parallel.dp={p.dp}; use a multiple of {t.micro_batch_size * p.dp}")
     # inference has no training sequence; a plan only sizes the run
@@ -330,6 +331,13 @@ def check_world(cfg: DictConfig, world_size: int) -> None:
                         f"{cfg.launcher.nproc_per_node}); set parallel.dp=-1 to infer it or fix the launcher counts")
 
 
+def check_dryrun(cfg: DictConfig, world_size: int) -> None:
+    bad = [r for r in cfg.dryrun.ranks or [] if not 0 <= r < world_size]
+    if bad:
+        raise UserError(f"dryrun.ranks: rank {bad[0]} is not in the {world_size}-rank job (launcher.nnodes x "
+                        f"launcher.nproc_per_node); list ranks from 0 to {world_size - 1}")
+
+
 def check_device(cfg: DictConfig, nproc_per_node: int) -> None:
     """The hardware profile's device must be here (not for planning, which targets machines the user lacks)."""
     import torch
@@ -428,11 +436,13 @@ def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
         check_inference(cfg)
     if cfg.task.name != "plan":
         check_world(cfg, world_size)
-        check_rendezvous(cfg)
         check_paths(cfg)
         check_outputs(cfg)
         if not cfg.task.in_process:
+            check_rendezvous(cfg)
             check_device(cfg, nproc_per_node)
+        if cfg.task.name == "dryrun":
+            check_dryrun(cfg, world_size)
         if cfg.task.name not in ("doctor", "convert", "preprocess"):  # preprocess uses no model
             from speedllm.data.loader import check_vocab
 

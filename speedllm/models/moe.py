@@ -78,6 +78,26 @@ class MoE(nn.Module):
         return out_ND.view_as(x_BSD), (assigned_E, prob_mass_E, num_tokens)
 
 
+def sum_stats(stats) -> list:
+    """The layers' statistics summed in layer order: [assignments_E, prob_mass_E, tokens]."""
+    return [sum(s[i] for s in stats) for i in range(3)]
+
+
+def pack_stats(stats, num_experts: int, device: torch.device) -> torch.Tensor:
+    """The running sums of `stats` as one [3, E] tensor (rows: assignments, prob mass, tokens repeated), the
+    form a pipeline stage passes on to the next beside the hidden states; zeros when `stats` is empty."""
+    if not stats:
+        return torch.zeros(3, num_experts, device=device)
+    assigned, prob_mass, rows = sum_stats(stats)
+    return torch.stack([assigned, prob_mass, rows.expand(num_experts)])
+
+
+def unpack_stats(packed_3E: torch.Tensor) -> tuple:
+    """pack_stats' tensor as one layer's statistics; adding the next layers to it gives the same sums, bit for
+    bit, as adding all layers in one process (x + 0 is exact)."""
+    return packed_3E[0], packed_3E[1], packed_3E[2, 0]
+
+
 def load_balancing_loss(stats, num_experts: int, reduce=None) -> torch.Tensor:
     """Switch-Transformer aux loss over all MoE layers, exactly as transformers' load_balancing_loss_func.
 
@@ -85,7 +105,7 @@ def load_balancing_loss(stats, num_experts: int, reduce=None) -> torch.Tensor:
     so the per-layer statistics are summed before the product. `reduce` (a tensor -> tensor sum over the
     ranks sharing the sequences, under context parallelism) makes them the whole sequences' statistics.
     """
-    totals = [sum(s[i] for s in stats) for i in range(3)]
+    totals = sum_stats(stats)
     if reduce is not None:
         totals = [reduce(t) for t in totals]
     assigned, prob_mass, rows = totals

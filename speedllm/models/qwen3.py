@@ -5,7 +5,7 @@ K kv heads, Dh head_dim, V vocabulary, N tokens (B*S).
 
 Module names mirror transformers' Qwen3ForCausalLM without the "model." prefix, so the HF map is a rename.
 A pipeline splitter may set `embed_tokens`, `norm`, `lm_head` to None and delete entries of `layers`:
-forward then takes / returns hidden states.
+forward then takes / returns hidden states, and for MoE models also the running load-balancing statistics.
 """
 
 from typing import Callable, Optional
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from speedllm.models.kv_cache import SlotCache
-from speedllm.models.moe import MoE, load_balancing_loss
+from speedllm.models.moe import MoE, load_balancing_loss, pack_stats, unpack_stats
 from speedllm.models.rope import inverse_frequencies
 from speedllm.ops import Ops, get_ops
 from speedllm.ops.loss import chunked_cross_entropy
@@ -160,6 +160,7 @@ class Qwen3(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_embeddings()
+        self.has_moe = any(layer.is_moe for layer in self.layers.values())  # of the whole model, kept by stages
         # RoPE frequencies are a function of the config, not state: computed here on the CPU (as transformers
         # does) and kept out of the state dict and out of meta-device construction; cos/sin are made per forward.
         self.inv_freq, self.rope_scale = inverse_frequencies(cfg)
@@ -229,7 +230,7 @@ class Qwen3(nn.Module):
         return mask.expand(B, 1, S, T)
 
     def forward(self, tokens, labels=None, position_ids=None, document_ids=None, attention_mask=None, kv_cache=None,
-                attend=None, reduce_moe_stats=None):
+                attend=None, reduce_moe_stats=None, moe_stats=None):
         """Logits [B, S, V]; or with labels (already shifted, IGNORE_INDEX = no loss) the pair (ce_sum, aux_loss).
 
         Args:
@@ -247,7 +248,10 @@ class Qwen3(nn.Module):
                 the op set's varlen attention for packed documents, else its causal / masked attention.
             reduce_moe_stats: sums MoE routing statistics over the ranks sharing these sequences (context
                 parallelism), so the load-balancing loss is the whole sequences'.
-        Returns hidden states instead of logits when `lm_head` is None.
+            moe_stats: [3, E] running routing statistics of the MoE layers of the earlier pipeline stages
+                (speedllm.models.moe.pack_stats); this module's layers add theirs.
+        Returns hidden states instead of logits when `lm_head` is None; for a MoE model the pair (hidden
+        states, moe_stats after this module's layers), so the stage holding the head computes the loss of all.
         """
         h_BSD = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens
         B, S = h_BSD.shape[:2]
@@ -265,18 +269,18 @@ class Qwen3(nn.Module):
         cos_BSD, sin_BSD = self.rope(position_ids, h_BSD.dtype)
         token_mask = attention_mask[:, -S:] if attention_mask is not None else None
 
-        moe_stats = []
+        layer_stats = [] if moe_stats is None else [unpack_stats(moe_stats)]
         for layer in self.layers.values():
             h_BSD, stats = layer(h_BSD, cos_BSD, sin_BSD, mask, kv_cache, token_mask, attend)
             if stats is not None:
-                moe_stats.append(stats)
+                layer_stats.append(stats)
         if kv_cache is not None:
             kv_cache.advance(S)
 
         if self.norm is not None:
             h_BSD = self.norm(h_BSD)
         if self.lm_head is None:
-            return h_BSD
+            return (h_BSD, pack_stats(layer_stats, self.cfg.num_experts, h_BSD.device)) if self.has_moe else h_BSD
         if labels is None:
             return self.lm_head(h_BSD)
         ce_sum = self.output_loss(
@@ -284,8 +288,8 @@ class Qwen3(nn.Module):
             self.ops.cross_entropy,
         )
         aux_loss = torch.zeros((), dtype=torch.float32, device=h_BSD.device)
-        if moe_stats:
-            aux_loss = load_balancing_loss(moe_stats, self.cfg.num_experts, reduce_moe_stats) * \
+        if layer_stats:
+            aux_loss = load_balancing_loss(layer_stats, self.cfg.num_experts, reduce_moe_stats) * \
                 self.cfg.router_aux_loss_coef
         return ce_sum, aux_loss
 

@@ -17,8 +17,9 @@ __all__ = ["rms_norm", "rotary", "attention", "varlen_attention", "swiglu", "gro
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """torch's fused RMSNorm (one kernel forward and backward on CUDA)."""
-    return F.rms_norm(x, weight.shape, weight, eps)
+    """torch's fused RMSNorm (one kernel forward and backward on CUDA). The weight takes the input's dtype: under
+    autocast a bf16 input with an fp32 weight would not dispatch to the fused kernel."""
+    return F.rms_norm(x, weight.shape, weight.to(x.dtype), eps)
 
 
 def attention(q, k, v, mask, scale):

@@ -7,6 +7,7 @@ their gradients are summed exactly like data-parallel ones. `parallel.fsdp=false
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Shard
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -28,7 +29,10 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype, s
     shard_mesh = dims.data_mesh() if shard else dims.mesh["dp", "cp"]
     for layer in model.layers.values():
         if expert_mesh is not None and layer.is_moe:
-            fully_shard(layer.mlp.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard)
+            experts = layer.mlp.experts
+            dim = expert_shard_dim(experts.gate_proj.shape[0] // dims.ep, expert_mesh.size())
+            fully_shard(experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard,
+                        shard_placement_fn=lambda param, dim=dim: Shard(dim))
         fully_shard(layer, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=reshard)
     # The loop divides each rank's loss by the global token count, so ranks' gradients must be summed.
@@ -37,3 +41,10 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype, s
             module.set_gradient_divide_factor(1.0)
             # a plain SUM: gloo has no PREMUL_SUM, and a factor of 1 needs no scaling anyway
             module.set_force_sum_reduction_for_comms(True)
+
+
+def expert_shard_dim(local_experts: int, shards: int) -> int:
+    """The dim FSDP2 shards a rank's stacked experts [E, out, in] on over `shards` ranks: the expert dim, unless
+    the rank has fewer experts than shards (chunking them would leave ranks without any while others hold
+    whole experts, e.g. 16 experts over 32 ranks at 235B FSDP256 x EP8): then each expert's output rows."""
+    return 0 if local_experts >= shards else 1

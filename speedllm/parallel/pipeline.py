@@ -9,6 +9,17 @@ rank (for the optimizer and checkpoints); the stages share its submodules.
 Tied embeddings (input = output embedding) are two tensors here, embed_tokens on the first stage and lm_head
 on the last: both start equal, their gradients are summed over the pipeline axis after every step, and the
 optimizer therefore keeps them equal.
+
+MoE models: the load-balancing loss E * sum_e (A_e / R) (P_e / R) multiplies totals over ALL MoE layers
+(assignments A, router probability mass P, tokens R), so it is not a sum of per-layer terms. A stage passes the
+running totals on as a second activation beside the hidden states, a [3, E] tensor (speedllm.models.moe
+pack_stats; each stage adds its layers in layer order, so the totals are the single process's bit for bit),
+and the last stage computes the loss from them. The schedule's point-to-point backward then carries
+dL/dP = E * A / R^2 (times the loss scale) back to the stage owning each layer by plain autograd: exact under
+every schedule, with no extra collective. (Megatron's alternative, attaching each layer's share of the global
+loss's gradient in backward, needs every micro-batch's totals A and R, known only after the last stage's forward,
+on every earlier stage before its backward: a message outside the schedule per micro-batch, which the second
+activation replaces.)
 """
 
 import copy
@@ -106,6 +117,8 @@ class Pipeline:
         for index, module in stages:
             if index == self.num_stages - 1:
                 module.register_forward_hook(_losses_as_vectors)
+            if index > 0 and rank_module.has_moe:
+                module.register_forward_pre_hook(_moe_stats_as_keyword, with_kwargs=True)
         if p.tp > 1 and p.sequence_parallel:
             for index, module in stages:
                 _send_local_sequence_shards(module, mesh["tp"], first=index == 0, last=index == self.num_stages - 1)
@@ -158,25 +171,27 @@ class Pipeline:
         owner = {index: rank for rank in range(self.group.size()) for index in self._stages_of(rank)}
         me = self.group.rank()
         modules = dict(self.stages)
-        h = tokens
+        h = (tokens,)
         for index in range(self.num_stages):
             if owner[index] != me:
                 continue
-            if index > 0 and owner[index - 1] != me:
-                h = _recv(owner[index - 1], self.group, self.device)
-            h = modules[index](h, **kwargs)
+            if index > 0 and owner[index - 1] != me:  # hidden states (and MoE statistics)
+                h = tuple(_recv(owner[index - 1], self.group, self.device)
+                          for _ in range(1 + self.rank_module.has_moe))
+            h = modules[index](*h, **kwargs)
+            h = h if isinstance(h, tuple) else (h,)
             if index < self.num_stages - 1 and owner[index + 1] != me:
-                _send(h, owner[index + 1], self.group)
+                for t in h:
+                    _send(t, owner[index + 1], self.group)
         last = owner[self.num_stages - 1]
         if "labels" in kwargs and kwargs["labels"] is not None:
             out = torch.cat([t.reshape(1) for t in h]) if me == last else torch.zeros(2, device=self.device)
             dist.broadcast(out, group_src=last, group=self.group)
             return out[0], out[1]
         if me != last:
-            h = _recv(last, self.group, self.device, broadcast=True)
-        else:
-            _send(h, None, self.group, broadcast=True)
-        return h
+            return _recv(last, self.group, self.device, broadcast=True)
+        _send(h[0], None, self.group, broadcast=True)
+        return h[0]
 
     def _stages_of(self, pp_rank: int) -> List[int]:
         return stages_of_rank(pp_rank, self.group.size(), self.num_stages // self.group.size(), self.schedule_name)
@@ -215,12 +230,18 @@ def _losses_as_vectors(module, args, output):
     return tuple(t.reshape(1) for t in output) if isinstance(output, tuple) else output
 
 
+def _moe_stats_as_keyword(module, args, kwargs):
+    """A MoE stage receives (hidden states, running statistics): the statistics go to forward's moe_stats."""
+    return args[:1], {**kwargs, "moe_stats": args[1]}
+
+
 _DTYPES = tuple(DTYPES.values())  # a dtype travels in the header as its index here
 
 
 def _send(t: torch.Tensor, dst: Optional[int], group, broadcast: bool = False) -> None:
-    """Send a 3-D tensor with a header (shape, dtype) to group rank `dst`, or broadcast it from here."""
-    header = torch.tensor([*t.shape, _DTYPES.index(t.dtype)], device=t.device)
+    """Send a 2-D or 3-D tensor with a header (shape, dtype) to group rank `dst`, or broadcast it from here."""
+    shape = [1] * (3 - t.dim()) + list(t.shape)
+    header = torch.tensor([*shape, t.dim(), _DTYPES.index(t.dtype)], device=t.device)
     if broadcast:
         dist.broadcast(header, group_src=group.rank(), group=group)
         dist.broadcast(t.contiguous(), group_src=group.rank(), group=group)
@@ -230,9 +251,9 @@ def _send(t: torch.Tensor, dst: Optional[int], group, broadcast: bool = False) -
 
 
 def _recv(src: int, group, device: torch.device, broadcast: bool = False) -> torch.Tensor:
-    header = torch.empty(4, dtype=torch.int64, device=device)
+    header = torch.empty(5, dtype=torch.int64, device=device)
     (dist.broadcast if broadcast else dist.recv)(header, group_src=src, group=group)
-    t = torch.empty(header[:3].tolist(), dtype=_DTYPES[int(header[3])], device=device)
+    t = torch.empty(header[3 - int(header[3]):3].tolist(), dtype=_DTYPES[int(header[4])], device=device)
     (dist.broadcast if broadcast else dist.recv)(t, group_src=src, group=group)
     return t
 
@@ -250,5 +271,6 @@ def _send_local_sequence_shards(stage: nn.Module, tp_mesh: DeviceMesh, first: bo
     if not first:
         stage.register_forward_pre_hook(
             lambda module, args: (DTensor.from_local(args[0], tp_mesh, [Shard(1)], run_check=False), *args[1:]))
-    if not last:
-        stage.register_forward_hook(lambda module, args, output: output.to_local())
+    if not last:  # a MoE stage's statistics travel as they are
+        stage.register_forward_hook(lambda module, args, output: (output[0].to_local(), *output[1:])
+                                    if isinstance(output, tuple) else output.to_local())

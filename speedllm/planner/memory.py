@@ -27,6 +27,7 @@ from torch import nn
 from speedllm.config.rules import ulysses_degree
 from speedllm.hardware import DTYPES
 from speedllm.ops.loss import chunk_rows
+from speedllm.parallel.fsdp import expert_shard_dim
 from speedllm.parallel.pipeline import stages_of_rank
 from speedllm.planner.layout import Layout
 from speedllm.train.optimizer import fused_adamw
@@ -134,14 +135,16 @@ def _chunk(n: int, k: int) -> int:
 
 
 def local_shape(t: Tensor, tp: int, ep: int, fsdp: int) -> Tuple[int, ...]:
-    """Shape of the first rank's piece of tensor t after TP, EP and then FSDP (dim 0) sharding."""
+    """Shape of the first rank's piece of tensor t after TP, EP and then FSDP (dim 0; experts:
+    speedllm.parallel.fsdp.expert_shard_dim) sharding."""
     shape = list(t.shape)
     if t.expert and ep > 1:
         shape[0] = _chunk(shape[0], ep)
     if t.tp_dim is not None and tp > 1:
         shape[t.tp_dim] = _chunk(shape[t.tp_dim], tp)
     if fsdp > 1:
-        shape[0] = _chunk(shape[0], fsdp)
+        dim = expert_shard_dim(shape[0], fsdp) if t.expert else 0
+        shape[dim] = _chunk(shape[dim], fsdp)
     return tuple(shape)
 
 
@@ -153,10 +156,11 @@ def adamw_state_numel(shape) -> int:
 def fsdp_degrees(layout: Layout) -> Tuple[int, int]:
     """(dense, expert) FSDP2 shard degrees (speedllm.parallel.fsdp): dense weights over dp x cp (over cp
     alone when parallel.fsdp=false replicates over dp); experts, already split over ep ranks carved out of
-    dp x cp, over the rest of dp x cp."""
+    dp x cp x tp (every one of them routes its own tokens; tensor parallel does not split experts), over the
+    rest of dp x cp x tp."""
     if not layout.fsdp:
         return layout.cp, 1
-    return layout.dp * layout.cp, layout.dp * layout.cp // layout.ep
+    return layout.dp * layout.cp, layout.dp * layout.cp * layout.tp // layout.ep
 
 
 def _tensors_numel(tensors, layout: Layout, sharded: bool, per_shape=math.prod) -> int:
@@ -296,18 +300,20 @@ def layer_activation_bytes(m, layout: Layout, seq_len: int, dtype_bytes: int, mo
     if layout.recompute == "selective":
         # the layer input and the outputs of matmuls and attention (see speedllm/parallel/parallelize.py)
         attn = e * h / sp + e * (q + 2 * kv) + e * q + lse + e * h / sp
-        mlp = e * (m.num_experts + k_top * (2 * i_moe + h)) if moe else e * (2 * i_mlp + h / sp)
+        # a MoE block under sequence parallel routes only this rank's share of the tokens
+        mlp = e * (m.num_experts + k_top * (2 * i_moe + h)) / sp if moe else e * (2 * i_mlp + h / sp)
         return n * (attn + mlp)
     norm_b, rope_b, swiglu_b = saved_bytes_per_element(ops, e)
     # two RMSNorms on the (sequence-parallel) residual stream; the all-gathered input of the projections
-    # after each is saved at full size by those projections
-    norms = 2 * norm_b * h / sp + 2 * e * h
+    # after each is saved at full size by those projections (a MoE block takes its local tokens ungathered)
+    norms = 2 * norm_b * h / sp + e * h + e * h / (sp if moe else 1)
     # q and k: the projection and normed heads (kept by their RMSNorm), RoPE's input, the rotated heads (kept
     # by attention); v; attention's output and the contiguous copy fed to o_proj
     attn = (norm_b + rope_b) * (q + kv) + e * q + attention_keys_bytes(m, layout, e) + 2 * e * q + lse
     if moe:
         router = 4 * m.num_experts  # fp32 router probabilities
-        mlp = router + 2 * e * k_top * h + swiglu_b * k_top * i_moe  # rows sorted by expert, expert outputs
+        # rows sorted by expert, expert outputs; of this rank's share of the tokens under sequence parallel
+        mlp = (router + 2 * e * k_top * h + swiglu_b * k_top * i_moe) / sp
     else:
         mlp = swiglu_b * i_mlp
     return n * (norms + attn + mlp)

@@ -158,7 +158,7 @@ class Planner:
                     dp = world // (tp * cp * pp)
                     for vpp in VIRTUAL_STAGES if pp > 1 else (1,):
                         schedule = "Interleaved1F1B" if vpp > 1 else "1F1B"
-                        for ep in [x for x in experts if x <= dp * cp]:
+                        for ep in [x for x in experts if x <= dp * cp * tp]:
                             for mb, recompute, cp_mode in product(MICRO_BATCHES, RECOMPUTE, CP_MODES[cp > 1]):
                                 yield Layout(dp=dp, tp=tp, pp=pp, vpp=vpp, ep=ep, cp=cp, cp_mode=cp_mode,
                                              micro_batch=mb, recompute=recompute, schedule=schedule)

@@ -12,6 +12,7 @@ reductions overlap with compute and only their excess shows.
 from dataclasses import dataclass
 
 from speedllm.hardware import DTYPES
+from speedllm.models.qwen3 import is_moe_layer
 from speedllm.planner.layout import Layout
 from speedllm.planner.memory import MASTER_BYTES, StageParams
 from speedllm.train.metrics import flops_per_token
@@ -24,6 +25,7 @@ class StepTime:
     """Seconds per step by component; `total` is their critical-path sum."""
 
     compute: float = 0.0
+    routing: float = 0.0  # MoE: permuting token rows into expert order and back (memory-bound)
     recompute: float = 0.0
     bubble: float = 0.0
     tp: float = 0.0
@@ -35,8 +37,8 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return (self.compute + self.recompute + self.bubble + self.tp + self.cp + self.ep + self.pp + self.dp
-                + self.optimizer)
+        return (self.compute + self.routing + self.recompute + self.bubble + self.tp + self.cp + self.ep + self.pp
+                + self.dp + self.optimizer)
 
 
 def link_bandwidth(hw, span: int) -> float:
@@ -56,6 +58,19 @@ def gemm_efficiency(layout: Layout, m, seq_len: int, base: float) -> float:
     rows = layout.micro_batch * seq_len / layout.cp
     cols = m.hidden_size / layout.tp
     return base * rows / (rows + GEMM_HALF) * cols / (cols + GEMM_HALF)
+
+
+def expert_gemm_efficiency(layout: Layout, m, seq_len: int, base: float) -> float:
+    """The same for the routed experts' grouped matmuls: a rank's experts see the rows the ep group routes to
+    them (ep x its tokens x k / E per expert), by their width (moe_intermediate_size, not split by tp)."""
+    tokens = layout.micro_batch * seq_len / layout.cp / (layout.tp if layout.sequence_parallel else 1)
+    rows = layout.ep * tokens * m.num_experts_per_tok / m.num_experts
+    cols = m.moe_intermediate_size
+    return base * rows / (rows + GEMM_HALF) * cols / (cols + GEMM_HALF)
+
+
+def num_moe_layers(m) -> int:
+    return sum(is_moe_layer(m, i) for i in range(m.num_hidden_layers))
 
 
 def step_time(m, layout: Layout, hw, sp: StageParams, seq_len: int, global_batch: int, efficiency: float,
@@ -78,15 +93,23 @@ def step_time(m, layout: Layout, hw, sp: StageParams, seq_len: int, global_batch
     h = m.hidden_size
 
     rate = peak * gemm_efficiency(layout, m, seq_len, efficiency)
-    flops = flops_per_token(m, seq_len) * tokens
-    t.compute = flops / world / rate
+    moe_layers = num_moe_layers(m)
+    expert_rate = peak * expert_gemm_efficiency(layout, m, seq_len, efficiency) if moe_layers else rate
+    # training FLOPs per token of the routed experts' matmuls, part of flops_per_token
+    expert = 6 * moe_layers * m.num_experts_per_tok * 3 * h * m.moe_intermediate_size
+    dense = flops_per_token(m, seq_len) - expert
+    t.compute = (dense / rate + expert / expert_rate) * tokens / world
+    # memory-bound routing per MoE layer: the k rows of each token permuted into expert order, back, and
+    # combined (3 passes, each a read and a write), forward and backward
+    t.routing = 3 * 2 * 2 * m.num_experts_per_tok * h * e * moe_layers * tokens / world / (
+        hw.memory_bandwidth_gbps * 1e9)
     if layout.recompute == "full":
         head = 6 * m.vocab_size * h
-        t.recompute = (flops_per_token(m, seq_len) - head) / 3 * tokens / world / rate
+        t.recompute = ((dense - head) / rate + expert / expert_rate) / 3 * tokens / world + t.routing / 3
     elif layout.recompute == "selective":
         t.recompute = 2 * selective_bytes * layers * num_micro / (hw.memory_bandwidth_gbps * 1e9)
     if layout.pp > 1:
-        t.bubble = (layout.pp - 1) / (layout.vpp * num_micro) * (t.compute + t.recompute)
+        t.bubble = (layout.pp - 1) / (layout.vpp * num_micro) * (t.compute + t.routing + t.recompute)
 
     refwd = 1.5 if layout.recompute == "full" else 1.0  # a re-run forward repeats the forward's collectives
     if layout.tp > 1:
@@ -98,9 +121,11 @@ def step_time(m, layout: Layout, hw, sp: StageParams, seq_len: int, global_batch
         volume = 2 * refwd * (layout.cp - 1) * n * kv * e  # gather K/V forward, reduce their gradient backward
         t.cp = volume * layers * num_micro / link_bandwidth(hw, layout.cp * layout.tp)
     if layout.ep > 1 and m.num_experts > 0:
-        # dispatch + combine forward, and their gradients backward
-        volume = 4 * refwd * ring(layout.ep) * n * m.num_experts_per_tok * h * e
-        t.ep = volume * layers * num_micro / link_bandwidth(hw, layout.ep * layout.tp)
+        # dispatch + combine forward, and their gradients backward, of this rank's tokens (its sequence shard
+        # under sequence parallel); an ep group is `ep` consecutive ranks of dp x cp x tp
+        routed = n / (layout.tp if layout.sequence_parallel else 1)
+        volume = 4 * refwd * ring(layout.ep) * routed * m.num_experts_per_tok * h * e
+        t.ep = volume * layers * num_micro / link_bandwidth(hw, layout.ep)
     if layout.pp > 1:
         sp_div = layout.tp if layout.sequence_parallel else 1
         volume = 2 * n * h * e / sp_div * layout.vpp  # activations forward, their gradient backward

@@ -34,7 +34,7 @@ from speedllm.train.faults import BadSteps, Preemption
 from speedllm.train.metrics import MetricsLogger, flops_per_token, mfu, peak_memory_gb
 from speedllm.train.optimizer import build_optimizer, check_resumable
 from speedllm.train.samples import print_samples
-from speedllm.train.schedule import build_scheduler
+from speedllm.train.schedule import build_scheduler, load_scheduler_state
 
 
 def grad_accum_steps(train, dp_size: int) -> int:
@@ -42,17 +42,22 @@ def grad_accum_steps(train, dp_size: int) -> int:
     return train.global_batch_size // (train.micro_batch_size * dp_size)
 
 
-def build_model(cfg, rt: Runtime) -> ParallelModel:
-    """Qwen3 built on the meta device, parallelized, then materialized and initialized on this rank's device."""
+def meta_model(cfg, rt: Runtime, adapt=None) -> ParallelModel:
+    """Qwen3 built on the meta device and parallelized for this rank: what training (and task=dryrun) builds."""
     from speedllm.models.qwen3 import Qwen3
 
     dims = rt.dims
     with torch.device("meta"):
         model = Qwen3(cfg.model, ops=cfg.hardware.ops, output_loss=output_loss_for(dims),
                       loss_chunk_size=cfg.train.loss_chunk_size)
+    return parallelize(model, dims, cfg.parallel, cfg.train, DTYPES[cfg.hardware.dtype], rt.device, cfg.quant, adapt)
+
+
+def build_model(cfg, rt: Runtime) -> ParallelModel:
+    """Qwen3 built on the meta device, parallelized, then materialized and initialized on this rank's device."""
     adapt = adapter_fn(cfg.finetune)
-    pm = parallelize(model, dims, cfg.parallel, cfg.train, DTYPES[cfg.hardware.dtype], rt.device, cfg.quant, adapt)
-    materialize(pm, dims, rt.device, adapted=adapt is not None)
+    pm = meta_model(cfg, rt, adapt)
+    materialize(pm, rt.dims, rt.device, adapted=adapt is not None)
     if adapt is not None:  # the same adapters on every layout, B = 0
         init_adapters(pm.parts, cfg.seed)
     return pm
@@ -189,7 +194,7 @@ def restore(cfg, rt: Runtime, pm: ParallelModel, optimizer, scheduler, loader) -
         check_resumable(resume_from, cfg.optim)
         extra = load_checkpoint(resume_from, pm.module, optimizer)
         step = extra["step"]
-        scheduler.load_state_dict(extra["scheduler"])
+        load_scheduler_state(scheduler, optimizer, extra["scheduler"])
         loader.load_state_dict(extra["loader"])
         set_rng_state(extra["rng"], rt.device)
         if rt.is_main:

@@ -40,7 +40,8 @@ def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool) 
         else:
             decay.append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return _split_by_mesh(groups)
+    # no empty group (LoRA trains matrices only): checkpoints key group settings by parameter name
+    return _split_by_mesh([g for g in groups if g["params"]])
 
 
 def _split_by_mesh(groups: list) -> list:

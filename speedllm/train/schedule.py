@@ -40,3 +40,12 @@ def build_scheduler(optimizer: torch.optim.Optimizer, optim: DictConfig, total_s
     """A LambdaLR over `lr_factor`; its state (last_epoch) is saved with checkpoints."""
     lr_factor(0, optim, total_steps)  # validate the schedule name before the run starts
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, optim, total_steps))
+
+
+def load_scheduler_state(scheduler, optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """Resume `scheduler` at the saved step count. Its per-group lists stay this optimizer's: the saving layout
+    may have grouped the parameters differently (expert parallelism adds a group per mesh, a pipeline rank
+    groups only its stages'); the learning rates come back with the optimizer's loaded groups."""
+    scheduler.load_state_dict({**scheduler.state_dict(), "last_epoch": saved["last_epoch"],
+                               "_step_count": saved["_step_count"],
+                               "_last_lr": [group["lr"] for group in optimizer.param_groups]})
