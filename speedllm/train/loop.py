@@ -52,7 +52,7 @@ def build_model(cfg, rt: Runtime) -> ParallelModel:
                       loss_chunk_size=cfg.train.loss_chunk_size)
     adapt = adapter_fn(cfg.finetune)
     pm = parallelize(model, dims, cfg.parallel, cfg.train, DTYPES[cfg.hardware.dtype], rt.device, cfg.quant, adapt)
-    materialize(pm, dims, rt.device, adapted=adapt is not None)
+    materialize(pm, dims, rt.device, cfg.seed)
     if adapt is not None:  # the same adapters on every layout, B = 0
         init_adapters(pm.parts, cfg.seed)
     return pm
