@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from speedllm.checkpoint.dcp import latest_checkpoint, load_checkpoint, resolve_load, save_checkpoint
+from speedllm.checkpoint.dcp import Checkpointer, latest_checkpoint, load_checkpoint, resolve_load
 from speedllm.checkpoint.hf import load_hf_weights
 from speedllm.finetune.lora import adapter_fn, init_adapters
 from speedllm.hardware import DTYPES
@@ -214,12 +214,14 @@ def run(cfg, rt: Runtime) -> None:
     autocast = autocast_for(cfg, pm, rt.device)
 
     step, resume_from = restore(cfg, rt, pm, optimizer, scheduler, loader)
+    checkpointer = Checkpointer(ck.dir, ck.keep, ck.async_save)
 
     def checkpoint() -> None:
         extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
                  "rng": rng_state(rt.device)}
-        saved = save_checkpoint(ck.dir, step, pm.module, optimizer, extra, cfg, ck.keep)
-        logger.message(f"checkpoint: step {step} saved to {saved}")
+        saved = checkpointer.save(step, pm.module, optimizer, extra, cfg)
+        logger.message(f"checkpoint: step {step} {'saving in the background' if ck.async_save else 'saved'} to "
+                       f"{saved}")
 
     tokens_per_step = t.global_batch_size * t.seq_len
     flops_tok = flops_per_token(cfg.model, t.seq_len)
@@ -265,6 +267,7 @@ def run(cfg, rt: Runtime) -> None:
                     break
         if last_saved != step and (ck.save_final or step < t.steps):  # stopped early: always save
             checkpoint()
+        checkpointer.wait()
     finally:
         logger.close()
     root = Path(ck.dir).absolute()
