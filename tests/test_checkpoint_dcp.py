@@ -62,7 +62,7 @@ def test_async_save_writes_the_state_of_its_step_while_training_goes_on(tmp_path
     final = checkpointer.save(1, model, optimizer, {"step": 1}, OmegaConf.create({}))
     model(torch.arange(4)).square().sum().backward()  # the next step changes the weights in place
     optimizer.step()
-    checkpointer.wait()
+    checkpointer.close()
     assert latest_checkpoint(str(tmp_path)) == final == tmp_path / "step_00000001"
     assert not (tmp_path / ".step_00000001.tmp").exists()
     fresh_model, fresh_optimizer = _model_and_optimizer(1)

@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from speedllm.errors import UserError, reading
@@ -241,6 +242,8 @@ class Checkpointer:
             # DCP warns from its writer thread that it saves without a process group: intended here
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         self.executor = ThreadPoolExecutor(max_workers=1) if async_save else None
+        # One stager for the run: it keeps its host copy between saves, so later saves stage without allocating.
+        self.stager = DefaultStager(StagingOptions(False, False, False, False)) if async_save else None
         self.pending: Optional[Future] = None
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Dict[str, Any],
@@ -254,7 +257,8 @@ class Checkpointer:
         _write_small(tmp, extra, cfg)
         with _quiet_dcp():
             upload = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp),
-                                    process_group=self.group, no_dist=not dist.is_initialized())
+                                    process_group=self.group, async_stager=self.stager,
+                                    no_dist=not dist.is_initialized())
         self.pending = self.executor.submit(self._finish, upload, root_path, tmp, final)
         return final
 
@@ -272,6 +276,13 @@ class Checkpointer:
         pending, self.pending = self.pending, None
         pending.result()  # a failed write raises here
         _barrier()
+
+    def close(self) -> None:
+        """The end of training: wait for a pending save, then free the host copy and the writer thread."""
+        self.wait()
+        if self.async_save:
+            self.stager.close()
+            self.executor.shutdown()
 
 
 def read_saved_config(step_dir: Path) -> DictConfig:

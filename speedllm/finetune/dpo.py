@@ -130,6 +130,6 @@ def run(cfg, rt: Runtime) -> None:
                 extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
                          "rng": rng_state(rt.device)}
                 checkpointer.save(step, pm.module, optimizer, extra, cfg)
-        checkpointer.wait()
+        checkpointer.close()
     finally:
         logger.close()

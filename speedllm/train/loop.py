@@ -267,7 +267,7 @@ def run(cfg, rt: Runtime) -> None:
                     break
         if last_saved != step and (ck.save_final or step < t.steps):  # stopped early: always save
             checkpoint()
-        checkpointer.wait()
+        checkpointer.close()
     finally:
         logger.close()
     root = Path(ck.dir).absolute()
