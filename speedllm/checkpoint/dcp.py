@@ -230,7 +230,7 @@ class Checkpointer:
     An async save blocks training only while DCP stages the state into host memory (a copy, so training may go on
     changing the weights); the files are written by a background thread, which then waits for every rank and has
     rank 0 publish the checkpoint exactly as a synchronous save does (rename, `latest`, keep). The next save and
-    `wait()` (the end of training) wait for a pending one, so `latest` only ever names a complete checkpoint, and a
+    `close()` (the end of training) wait for a pending one, so `latest` only ever names a complete checkpoint, and a
     process killed mid-write leaves only the `.tmp` directory. The background collectives (DCP's planning, the
     barrier) use their own gloo process group, apart from training's.
     """
