@@ -35,7 +35,9 @@ def test_any_block_equals_that_block_of_the_whole_tensor():
     assert chunk_rows(shape) == 2
     whole = torch.empty(shape)
     normal_block_(whole, "w", shape, (0, 0), 0.02, seed=5)
-    for rows, cols in [((0, 7), (0, 5)), ((1, 4), (3, 9)), ((5, 7), (shape[1] - 4, shape[1])), ((3, 3), (0, 1))]:
+    blocks = [((0, 7), (0, 5)), ((1, 4), (3, 9)), ((5, 7), (shape[1] - 4, shape[1])), ((3, 3), (0, 1)),
+              ((1, 5), (0, shape[1]))]  # whole rows: chunk 1 drawn in place, chunks 0 and 2 in part
+    for rows, cols in blocks:
         block = torch.empty(rows[1] - rows[0], cols[1] - cols[0])
         normal_block_(block, "w", shape, (rows[0], cols[0]), 0.02, seed=5)
         assert torch.equal(block, whole[rows[0]:rows[1], cols[0]:cols[1]])

@@ -41,8 +41,15 @@ def normal_block_(out: torch.Tensor, name: str, shape: Sequence[int], offset: Se
     rows = chunk_rows(shape)
     start, stop = offset[0], offset[0] + out.shape[0]
     cols = tuple(slice(o, o + n) for o, n in zip(offset[1:], out.shape[1:]))
+    # whole rows of a CPU fp32 tensor: draw each chunk in place (the same values, without a copy)
+    in_place = out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous() and \
+        tuple(out.shape[1:]) == tuple(shape[1:])
     for chunk in range(start // rows, (stop - 1) // rows + 1):
         lo, hi = chunk * rows, min((chunk + 1) * rows, shape[0])
-        values = torch.empty((hi - lo, *shape[1:])).normal_(0.0, std, generator=chunk_generator(seed, name, chunk))
+        generator = chunk_generator(seed, name, chunk)
+        if in_place and start <= lo and hi <= stop:
+            out[lo - start:hi - start].normal_(0.0, std, generator=generator)
+            continue
+        values = torch.empty((hi - lo, *shape[1:])).normal_(0.0, std, generator=generator)
         a, b = max(lo, start), min(hi, stop)
         out[a - start:b - start].copy_(values[(slice(a - lo, b - lo), *cols)])
