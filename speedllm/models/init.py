@@ -42,8 +42,8 @@ def normal_block_(out: torch.Tensor, name: str, shape: Sequence[int], offset: Se
     start, stop = offset[0], offset[0] + out.shape[0]
     cols = tuple(slice(o, o + n) for o, n in zip(offset[1:], out.shape[1:]))
     # whole rows of a CPU fp32 tensor: draw each chunk in place (the same values, without a copy)
-    in_place = out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous() and \
-        tuple(out.shape[1:]) == tuple(shape[1:])
+    in_place = (out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous()
+                and tuple(out.shape[1:]) == tuple(shape[1:]))
     for chunk in range(start // rows, (stop - 1) // rows + 1):
         lo, hi = chunk * rows, min((chunk + 1) * rows, shape[0])
         generator = chunk_generator(seed, name, chunk)
