@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from speedllm.checkpoint.dcp import latest_checkpoint, load_checkpoint, resolve_load, save_checkpoint
+from speedllm.checkpoint.dcp import Checkpointer, latest_checkpoint, load_checkpoint, resolve_load, save_checkpoint
 from speedllm.errors import UserError
 
 pytestmark = pytest.mark.unit
@@ -55,19 +55,37 @@ def test_resolve_load(tmp_path):
     assert resolve_load(str(tmp_path / "step_00000007"), "elsewhere") == tmp_path / "step_00000007"
 
 
+def test_async_save_writes_the_state_of_its_step_while_training_goes_on(tmp_path):
+    model, optimizer = _model_and_optimizer(0)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    checkpointer = Checkpointer(str(tmp_path), keep=3, async_save=True)
+    final = checkpointer.save(1, model, optimizer, {"step": 1}, OmegaConf.create({}))
+    model(torch.arange(4)).square().sum().backward()  # the next step changes the weights in place
+    optimizer.step()
+    checkpointer.close()
+    assert latest_checkpoint(str(tmp_path)) == final == tmp_path / "step_00000001"
+    assert not (tmp_path / ".step_00000001.tmp").exists()
+    fresh_model, fresh_optimizer = _model_and_optimizer(1)
+    assert load_checkpoint(final, fresh_model, fresh_optimizer) == {"step": 1}
+    for name, value in fresh_model.state_dict().items():
+        assert torch.equal(value, expected[name]) and not torch.equal(value, model.state_dict()[name])
+
+
 # Saves step 1, then starts step 2 with DCP's file writer held up right after it wrote the tensor files.
 _WRITER = textwrap.dedent("""
     import sys, time
     import torch
     import torch.distributed.checkpoint.filesystem as fs
     from omegaconf import OmegaConf
-    from speedllm.checkpoint.dcp import save_checkpoint
+    from speedllm.checkpoint.dcp import Checkpointer
 
     root = sys.argv[1]
+    checkpointer = Checkpointer(root, keep=3, async_save=sys.argv[2] == "async")
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    save_checkpoint(root, 1, model, optimizer, {"step": 1}, OmegaConf.create({}), keep=3)
+    checkpointer.save(1, model, optimizer, {"step": 1}, OmegaConf.create({}))
+    checkpointer.wait()
     torch.save(model.state_dict(), root + "/../expected.pt")
     write_data = fs.FileSystemWriter.write_data
 
@@ -81,13 +99,15 @@ _WRITER = textwrap.dedent("""
     fs.FileSystemWriter.write_data = slow_write_data
     with torch.no_grad():
         model.weight.add_(1.0)
-    save_checkpoint(root, 2, model, optimizer, {"step": 2}, OmegaConf.create({}), keep=3)
+    checkpointer.save(2, model, optimizer, {"step": 2}, OmegaConf.create({}))
+    checkpointer.wait()  # async: the write goes on in the background meanwhile
 """)
 
 
-def test_sigkill_during_write_keeps_previous_checkpoint(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigkill_during_write_keeps_previous_checkpoint(tmp_path, mode):
     root = tmp_path / "checkpoints"
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(root)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(root), mode], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "WRITING"
         os.kill(proc.pid, signal.SIGKILL)

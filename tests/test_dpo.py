@@ -108,7 +108,7 @@ def test_reward_accuracy_rises_above_0_9_on_an_easy_preference(tmp_path):
     data = write_jsonl(tmp_path / "pairs.jsonl", arithmetic_pairs(8, seed=1))
     cfg = config(tmp_path / "run", *TINY, *DPO, f"data.input={data}", "train.seq_len=64", "finetune=lora",
                  "finetune.rank=8", "train.steps=5", "train.micro_batch_size=8", "train.global_batch_size=8",
-                 "optim.lr=3e-3", "dpo.beta=0.1")
+                 "optim.lr=5e-3", "dpo.beta=0.1")
     run(cfg, Runtime())
     records = metrics(Path(cfg.run_dir))
     assert records[0]["loss"] == pytest.approx(0.6931472, abs=1e-6)  # B = 0: policy = reference, loss log 2

@@ -1,6 +1,6 @@
 """finetune=lora under FSDP2, TP2 and PP2 trains like the single process (CPU/gloo, through the launcher).
 
-Same base (rank 0's initialization), same adapter start (seeded per name), 5 steps: losses within 1e-5
+Same base (per-shard initialization), same adapter start (seeded per name), 5 steps: losses within 1e-5
 (relative) of the single process, adapters after step 5 within 1e-4.
 """
 

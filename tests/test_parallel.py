@@ -1,7 +1,7 @@
 """Every parallel layout trains like the single process, through the real launcher on CPU/gloo.
 
 Each layout runs 5 steps of a global batch of 8 sequences (the single-process reference: the same 8 as 4
-micro-batches of 2) from the same initial weights (rank 0 initializes, see speedllm/parallel/weights.py).
+micro-batches of 2) from the same initial weights (per-shard init, see speedllm/parallel/weights.py).
 Losses must agree within 1e-5 (relative), parameters after step 5 within 1e-4. The TP2 x PP2 checkpoint
 then resumes under FSDP over 4 ranks and under one process with the single run's step-6 loss.
 Layout runs start a few at a time (they mostly wait on each other's collectives, not on the CPU).

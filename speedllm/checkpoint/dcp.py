@@ -12,13 +12,15 @@ On disk, under the checkpoint root (cfg.checkpoint.dir):
     latest                    text file naming the newest finished checkpoint
 
 A process killed while writing leaves only a `.tmp` directory behind; `latest` still names the previous,
-complete checkpoint, because it is replaced (atomically) only after the rename.
+complete checkpoint, because it is replaced (atomically) only after the rename. With checkpoint.async_save the
+write happens in the background (`Checkpointer`), with the same rename and `latest` once every rank is done.
 """
 
 import contextlib
 import os
 import pickle
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -30,6 +32,7 @@ from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from speedllm.errors import UserError, reading
@@ -173,6 +176,36 @@ def _trained_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
     return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd, options
 
 
+def _start(root: str, step: int) -> tuple:
+    """(root, final directory, temporary directory) of checkpoint `step`; the temporary one made fresh by rank 0."""
+    root_path = Path(root)
+    final = root_path / step_dir_name(step)
+    tmp = root_path / f".{final.name}.tmp"
+    if _rank() == 0:
+        if final.exists() and not (final / MARKER).is_file():
+            raise UserError(f"{final} exists and was not written by SpeedLLM; move it away or choose another "
+                            "checkpoint.dir")
+        make_scratch_dir(tmp, "checkpoint.dir")  # replaces one left by a process killed mid-write
+    _barrier()
+    return root_path, final, tmp
+
+
+def _write_small(tmp: Path, extra: Dict[str, Any], cfg: DictConfig) -> None:
+    torch.save(extra, tmp / f"extra_rank{_rank()}.pt")
+    if _rank() == 0:
+        OmegaConf.save(cfg, tmp / "config.yaml", resolve=True)
+
+
+def _publish(root_path: Path, tmp: Path, final: Path, keep: int) -> None:
+    """Rank 0, once every rank's files are written: rename into place, point `latest` at it, keep the newest."""
+    remove_ours(final)  # a re-run of the same step replaces its old copy
+    os.replace(tmp, final)
+    write_text_atomic(root_path / LATEST, final.name + "\n")
+    if keep > 0:
+        for old in finished_checkpoints(root_path)[:-keep]:
+            remove_ours(old)  # a step_* directory we did not write is never deleted
+
+
 def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     extra: Dict[str, Any], cfg: DictConfig, keep: int) -> Path:
     """Write checkpoint `step` on every rank, then publish it as `latest` and keep the newest `keep`.
@@ -181,32 +214,77 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: torch.opt
         extra: this rank's small state (step, scheduler, loader, RNG) saved with torch.save.
         keep: number of finished checkpoints to keep; <= 0 keeps all.
     """
-    root_path = Path(root)
-    final = root_path / step_dir_name(step)
-    tmp = root_path / f".{final.name}.tmp"
-    rank = _rank()
-    if rank == 0:
-        if final.exists() and not (final / MARKER).is_file():
-            raise UserError(f"{final} exists and was not written by SpeedLLM; move it away or choose another "
-                            "checkpoint.dir")
-        make_scratch_dir(tmp, "checkpoint.dir")  # replaces one left by a process killed mid-write
-    _barrier()
+    root_path, final, tmp = _start(root, step)
     model_sd, optim_sd, _ = _trained_state(model, optimizer)
     with _quiet_dcp():
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
-    torch.save(extra, tmp / f"extra_rank{rank}.pt")
-    if rank == 0:
-        OmegaConf.save(cfg, tmp / "config.yaml", resolve=True)
+    _write_small(tmp, extra, cfg)
     _barrier()
-    if rank == 0:
-        remove_ours(final)  # a re-run of the same step replaces its old copy
-        os.replace(tmp, final)
-        write_text_atomic(root_path / LATEST, final.name + "\n")
-        if keep > 0:
-            for old in finished_checkpoints(root_path)[:-keep]:
-                remove_ours(old)  # a step_* directory we did not write is never deleted
+    if _rank() == 0:
+        _publish(root_path, tmp, final, keep)
     _barrier()
     return final
+
+
+class Checkpointer:
+    """Saves a run's checkpoints: synchronously (save_checkpoint), or with `async_save` in the background.
+
+    An async save blocks training only while DCP stages the state into host memory (a copy, so training may go on
+    changing the weights); the files are written by a background thread, which then waits for every rank and has
+    rank 0 publish the checkpoint exactly as a synchronous save does (rename, `latest`, keep). The next save and
+    `close()` (the end of training) wait for a pending one, so `latest` only ever names a complete checkpoint, and a
+    process killed mid-write leaves only the `.tmp` directory. The background collectives (DCP's planning, the
+    barrier) use their own gloo process group, apart from training's.
+    """
+
+    def __init__(self, root: str, keep: int, async_save: bool):
+        self.root, self.keep, self.async_save = root, keep, async_save
+        self.group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+        if async_save and not dist.is_initialized():
+            # DCP warns from its writer thread that it saves without a process group: intended here
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        self.executor = ThreadPoolExecutor(max_workers=1) if async_save else None
+        # One stager for the run: it keeps its host copy between saves, so later saves stage without allocating.
+        self.stager = DefaultStager(StagingOptions(False, False, False, False)) if async_save else None
+        self.pending: Optional[Future] = None
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Dict[str, Any],
+             cfg: DictConfig) -> Path:
+        """Save checkpoint `step` (see save_checkpoint); async: return once it is staged, before it is written."""
+        self.wait()
+        if not self.async_save:
+            return save_checkpoint(self.root, step, model, optimizer, extra, cfg, self.keep)
+        root_path, final, tmp = _start(self.root, step)
+        model_sd, optim_sd, _ = _trained_state(model, optimizer)
+        _write_small(tmp, extra, cfg)
+        with _quiet_dcp():
+            upload = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp),
+                                    process_group=self.group, async_stager=self.stager,
+                                    no_dist=not dist.is_initialized())
+        self.pending = self.executor.submit(self._finish, upload, root_path, tmp, final)
+        return final
+
+    def _finish(self, upload: Future, root_path: Path, tmp: Path, final: Path) -> None:
+        upload.result()
+        if self.group is not None:
+            dist.barrier(group=self.group)  # every rank's files are written
+        if _rank() == 0:
+            _publish(root_path, tmp, final, self.keep)
+
+    def wait(self) -> None:
+        """Block until the pending async save (if any) is written and published on every rank."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        pending.result()  # a failed write raises here
+        _barrier()
+
+    def close(self) -> None:
+        """The end of training: wait for a pending save, then free the host copy and the writer thread."""
+        self.wait()
+        if self.async_save:
+            self.stager.close()
+            self.executor.shutdown()
 
 
 def read_saved_config(step_dir: Path) -> DictConfig:

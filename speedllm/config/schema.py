@@ -211,6 +211,7 @@ class CheckpointConfig:
     every: int = 0  # 0: only at the end
     keep: int = 3
     save_final: bool = True
+    async_save: bool = False  # stage to host memory, write in the background (training goes on meanwhile)
     load: Optional[str] = None  # <dir> | auto
     load_hf: Optional[str] = None  # HF model directory
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from speedllm.checkpoint.dcp import save_checkpoint
+from speedllm.checkpoint.dcp import Checkpointer
 from speedllm.checkpoint.hf import load_hf_weights
 from speedllm.finetune.lora import adapters_disabled
 from speedllm.parallel import clip_grad_norm
@@ -114,6 +114,7 @@ def run(cfg, rt: Runtime) -> None:
     step, _ = restore(cfg, rt, pm, optimizer, scheduler, loader)
     logger = MetricsLogger(cfg.run_dir, t.steps, step, rt.is_main, cfg.logging.tensorboard, cfg.logging.progress_bar)
     stop_at = min(t.steps, step + t.stop_after) if t.stop_after > 0 else t.steps
+    checkpointer = Checkpointer(ck.dir, ck.keep, ck.async_save)
     try:
         while step < stop_at:
             start = time.perf_counter()
@@ -128,6 +129,7 @@ def run(cfg, rt: Runtime) -> None:
             if (ck.every > 0 and step % ck.every == 0) or (step == stop_at and ck.save_final):
                 extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
                          "rng": rng_state(rt.device)}
-                save_checkpoint(ck.dir, step, pm.module, optimizer, extra, cfg, ck.keep)
+                checkpointer.save(step, pm.module, optimizer, extra, cfg)
+        checkpointer.close()
     finally:
         logger.close()

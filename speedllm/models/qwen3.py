@@ -8,11 +8,12 @@ A pipeline splitter may set `embed_tokens`, `norm`, `lm_head` to None and delete
 forward then takes / returns hidden states, and for MoE models also the running load-balancing statistics.
 """
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from torch import nn
 
+from speedllm.models.init import normal_block_
 from speedllm.models.kv_cache import SlotCache
 from speedllm.models.moe import MoE, load_balancing_loss, pack_stats, unpack_stats
 from speedllm.models.rope import inverse_frequencies
@@ -135,6 +136,17 @@ class DecoderLayer(nn.Module):
         return x_BSD + self.mlp(h), None
 
 
+def init_block_(out: torch.Tensor, name: str, shape, offset, cfg, seed: int) -> None:
+    """Fill `out`, the block at `offset` of parameter `name` (of `shape`, named as in the whole model), with its
+    initial values: ones for RMSNorm weights, else Normal(0, initializer_range) (speedllm.models.init)."""
+    if name.endswith("norm.weight"):
+        out.fill_(1.0)
+        return
+    if cfg.tie_word_embeddings and name == "lm_head.weight":  # a pipeline's last stage holds the tied weight
+        name = "embed_tokens.weight"
+    normal_block_(out, name, shape, offset, cfg.initializer_range, seed)
+
+
 class Qwen3(nn.Module):
     """Qwen3 causal LM (dense, or MoE when cfg.num_experts > 0).
 
@@ -173,22 +185,15 @@ class Qwen3(nn.Module):
                 self.lm_head.weight = self.embed_tokens.weight
 
     @torch.no_grad()
-    def init_weights(self, seed: Optional[int] = None) -> None:
+    def init_weights(self, seed: int = 0) -> None:
         """Normal(0, initializer_range) for every matrix (linear, embedding, router, experts), ones for norms.
 
-        Works on a model built on the meta device and moved with `to_empty(device=...)`.
+        Each tensor is drawn from generators keyed by (seed, its name), so a sharded model gets the same values
+        block by block (speedllm.parallel.weights). Works on a model built on the meta device and moved with
+        `to_empty(device=...)`; the global RNG is left alone.
         """
-        if seed is not None:
-            torch.manual_seed(seed)
-        std = self.cfg.initializer_range
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, std)
-            elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
-            elif isinstance(module, MoE):
-                for param in module.experts.parameters():
-                    param.normal_(0.0, std)
+        for name, param in self.named_parameters():
+            init_block_(param, name, param.shape, (0,) * param.ndim, self.cfg, seed)
 
     def rope(self, position_ids_BS: torch.Tensor, dtype: torch.dtype):
         """cos/sin tables [B, S, Dh] for the given positions, computed exactly as transformers does."""

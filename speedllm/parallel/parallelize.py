@@ -164,16 +164,14 @@ def parallelize(model: nn.Module, dims: ParallelDims, parallel, train, param_dty
     return ParallelModel(rank_module, [module for _, module in stages], pipeline)
 
 
-def materialize(pm: ParallelModel, dims: ParallelDims, device: torch.device, adapted: bool = False) -> None:
-    """Allocate this rank's parameters on its device and give them the single-process initial weights.
-
-    adapted: the parts hold parameters the plain model lacks (LoRA adapters): init_weights would draw their
-    values between the base's, so the base comes from rank 0's plain model as on every other layout.
-    """
+def materialize(pm: ParallelModel, dims: ParallelDims, device: torch.device, seed: int) -> None:
+    """Allocate this rank's parameters on its device and give them the single-process initial weights of `seed`
+    (each rank draws only its own shards: speedllm.parallel.weights). Adapters get their own values afterwards
+    (speedllm.finetune.lora.init_adapters)."""
     from torch.distributed.fsdp import FSDPModule
 
     from speedllm.parallel.tensor import shard_embedding_grad
-    from speedllm.parallel.weights import init_from_rank0
+    from speedllm.parallel.weights import init_shards
 
     for part in pm.parts:
         part.to_empty(device=device)
@@ -182,11 +180,7 @@ def materialize(pm: ParallelModel, dims: ParallelDims, device: torch.device, ada
             shard_embedding_grad(part)
     if pm.pipeline is not None:
         pm.pipeline.retie()
-    if dims.mesh is None and device.type == "cpu" and not adapted:
-        with torch.no_grad():
-            pm.module.init_weights()
-    else:  # initialized in host memory (the same RNG stream on every layout and device), then placed
-        init_from_rank0(pm.parts, pm.module.cfg, device)
+    init_shards(pm.parts, pm.module.cfg, seed)
 
 
 def clip_grad_norm(pm: ParallelModel, max_norm: float) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from speedllm.checkpoint.dcp import latest_checkpoint, load_checkpoint, resolve_load, save_checkpoint
+from speedllm.checkpoint.dcp import Checkpointer, latest_checkpoint, load_checkpoint, resolve_load
 from speedllm.checkpoint.hf import load_hf_weights
 from speedllm.finetune.lora import adapter_fn, init_adapters
 from speedllm.hardware import DTYPES
@@ -57,7 +57,7 @@ def build_model(cfg, rt: Runtime) -> ParallelModel:
     """Qwen3 built on the meta device, parallelized, then materialized and initialized on this rank's device."""
     adapt = adapter_fn(cfg.finetune)
     pm = meta_model(cfg, rt, adapt)
-    materialize(pm, rt.dims, rt.device, adapted=adapt is not None)
+    materialize(pm, rt.dims, rt.device, cfg.seed)
     if adapt is not None:  # the same adapters on every layout, B = 0
         init_adapters(pm.parts, cfg.seed)
     return pm
@@ -219,12 +219,14 @@ def run(cfg, rt: Runtime) -> None:
     autocast = autocast_for(cfg, pm, rt.device)
 
     step, resume_from = restore(cfg, rt, pm, optimizer, scheduler, loader)
+    checkpointer = Checkpointer(ck.dir, ck.keep, ck.async_save)
 
     def checkpoint() -> None:
         extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
                  "rng": rng_state(rt.device)}
-        saved = save_checkpoint(ck.dir, step, pm.module, optimizer, extra, cfg, ck.keep)
-        logger.message(f"checkpoint: step {step} saved to {saved}")
+        saved = checkpointer.save(step, pm.module, optimizer, extra, cfg)
+        logger.message(f"checkpoint: step {step} {'saving in the background' if ck.async_save else 'saved'} to "
+                       f"{saved}")
 
     tokens_per_step = t.global_batch_size * t.seq_len
     flops_tok = flops_per_token(cfg.model, t.seq_len)
@@ -270,6 +272,7 @@ def run(cfg, rt: Runtime) -> None:
                     break
         if last_saved != step and (ck.save_final or step < t.steps):  # stopped early: always save
             checkpoint()
+        checkpointer.close()
     finally:
         logger.close()
     root = Path(ck.dir).absolute()
