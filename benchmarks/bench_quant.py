@@ -7,7 +7,9 @@ on the same fp32 weights (shared, not copied; the quantized variants hold only t
 greedy, one thread, and all runners of a size take turns within each repeat, so load from other processes
 hits them alike. Decode tokens/s = batch x (N - 1) / (time of N new tokens - time of 1), the median over
 --repeats, timed with this process's CPU time (on a shared machine wall time mostly measures the scheduler).
-transformers has no int4 row: torchao's int4 needs the CUDA-only mslk kernels.
+transformers int8_wo holds the same int8 numbers as ours: torchao Int8WeightOnly projections and output
+projection, and the embedding's dequantized int8 rows. transformers has no int4 row: torchao's int4 needs the
+CUDA-only mslk kernels.
 """
 
 import argparse

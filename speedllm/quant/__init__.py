@@ -1,12 +1,13 @@
 """Quantization applied from outside the model (`quant=` config group), like parallelism.
 
-Which weights: the projections of attention and of the dense MLP (`QUANTIZED`). The embedding, the output
-projection (tied to the embedding in the small Qwen3s, and read directly by the chunked loss), norms and the
-MoE router stay in full precision; MoE experts too (their weights are stacked 3-D tensors used by a grouped
-matmul, which neither torchao's `quantize_` nor torch's packed matmuls take).
+Which weights: the projections of attention and of the dense MLP (`QUANTIZED`); on CPUs under the weight-only
+schemes also the embedding and the output projection, as one int8 table (`quantize_embeddings`; tied, one table
+serves both). Norms and the MoE router stay in full precision; MoE experts too (their weights are stacked 3-D
+tensors used by a grouped matmul, which neither torchao's `quantize_` nor torch's packed matmuls take).
 
-    inference (task=generate/chat/evaluate/convert): quantize_for_inference() on the loaded model
-        int8_wo   torchao Int8WeightOnlyConfig (int8, per-channel scales)
+    inference (task=generate/chat/evaluate/convert): quantize_for_inference() on a loaded model, or
+    speedllm.infer.load.load_quantized() while loading (CPU, weight-only schemes)
+        int8_wo   CPU: speedllm.quant.int8 (torchao's int8 numbers, our C kernel); GPU: torchao Int8WeightOnlyConfig
         int4_wo   CPU: speedllm.quant.int4 on torch's packed int4 matmul; GPU: torchao Int4WeightOnlyConfig
         int8_dyn  torchao Int8DynamicActivationInt8WeightConfig
         qat_int4  = int4_wo (the scheme it was trained against)
@@ -82,7 +83,7 @@ def quantize_embeddings(model: nn.Module) -> None:
 
 @torch.no_grad()
 def quantize_for_inference(model: nn.Module, quant) -> nn.Module:
-    """Quantize the loaded full-precision model's linear layers in place for quant.name; returns the model.
+    """Quantize the loaded full-precision model in place for quant.name (see the module docstring); returns it.
 
     Args:
         quant: the `quant` config section (name, group_size).
