@@ -114,8 +114,21 @@ def load_quantized(model: nn.Module, cfg: DictConfig, device: torch.device) -> N
         layer.to_empty(device=device)
         source.fill(layer, f"layers.{key}.")
         quantize_linears(layer, cfg.quant)
+        trim_heap()
     model.norm.to_empty(device=device)
     source.fill(model.norm, "norm.")
+
+
+def trim_heap() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim; elsewhere nothing). The layers' fp32
+    tensors are below glibc's adaptive mmap threshold, so they come from the heap, and the int8 tensors made
+    between them would otherwise pin the freed ones: measured 1.77 vs 1.10 GiB peak loading qwen3_0.6b int8."""
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.util.find_library("c")
+    if libc is not None and hasattr(ctypes.CDLL(libc), "malloc_trim"):
+        ctypes.CDLL(libc).malloc_trim(0)
 
 
 class WeightSource:
