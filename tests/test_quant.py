@@ -242,3 +242,24 @@ def test_quantizing_while_loading_equals_quantizing_the_loaded_model(name, tied,
         got = load_model(cfg, Runtime()).state_dict()
         assert list(got) == list(expected)
         assert all(torch.equal(got[k], expected[k]) for k in expected), source
+
+
+def test_quantizing_while_loading_never_holds_the_full_precision_model(save_tiny_hf, tmp_path):
+    """Peak live tensor bytes while loading int8_wo: the int8 model plus about one fp32 layer, against the fp32
+    model's own bytes (which loading then quantizing holds whole, measured the same way)."""
+    from speedllm.infer.load import load_model
+    from speedllm.planner.measure import PeakTensorMemory
+    from speedllm.runtime import Runtime
+
+    save_tiny_hf(tmp_path / "hf", tokenizer=False, vocab_size=128, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=8, tie_word_embeddings=True)
+    base = ["task=generate", "hardware=cpu", f"run_dir={tmp_path}", "model=hf", f"checkpoint.load_hf={tmp_path / 'hf'}"]
+    with PeakTensorMemory() as whole:
+        fp32 = load_model(composed(*base), Runtime())
+        fp32_bytes = sum(p.numel() * 4 for p in fp32.parameters())
+        quantize_for_inference(fp32, quant("int8_wo"))
+    with PeakTensorMemory() as streamed:
+        int8 = load_model(composed(*base, "quant=int8_wo"), Runtime())
+    int8_bytes = sum(b.numel() * b.element_size() for b in int8.buffers())
+    assert whole.peak >= fp32_bytes
+    assert streamed.peak < int8_bytes + 2 * fp32_bytes / 8 < 0.6 * fp32_bytes
