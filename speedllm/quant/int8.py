@@ -13,6 +13,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import subprocess
 import tempfile
 import warnings
@@ -43,11 +44,21 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "speedllm" / "kernels"
 
 
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 @functools.cache
 def kernel():
     """The compiled int8_wo_mm (ctypes), or None where it cannot be built or has no fast path on this CPU."""
-    source = KERNEL_SOURCE.read_bytes()
-    library = cache_dir() / f"int8_wo_mm_{hashlib.sha256(source).hexdigest()[:16]}.so"
+    # -march=native: the build is for this CPU, so its flags are part of the key (a shared cache never hands an
+    # AVX-512 build to a CPU without it)
+    cpu = next((line for line in _cpuinfo().splitlines() if line.startswith("flags")), platform.processor())
+    key = hashlib.sha256(KERNEL_SOURCE.read_bytes() + cpu.encode()).hexdigest()[:16]
+    library = cache_dir() / f"int8_wo_mm_{key}.so"
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=library.parent) as tmp:  # build aside, then rename: atomic
