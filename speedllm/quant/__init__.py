@@ -23,6 +23,7 @@ from torch import nn
 QUANT_NAMES = ("none", "int8_wo", "int4_wo", "int8_dyn", "float8", "qat_int4")
 TRAINING = ("none", "float8", "qat_int4")
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
+WEIGHT_ONLY = ("int8_wo", "int4_wo")  # inference schemes with our own CPU layers (speedllm.quant.int8 / int4)
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -55,7 +56,7 @@ def bytes_per_weight(name: str, dtype_bytes: float, group_size: int = 128) -> fl
 def int8_tables(name: str) -> bool:
     """Whether quant=name keeps the embedding and output projection in int8: the weight-only schemes on CPUs,
     where the int8 kernel is (the planner counts this format; on GPUs torchao quantizes the projections only)."""
-    return inference_scheme(name) in ("int8_wo", "int4_wo")
+    return inference_scheme(name) in WEIGHT_ONLY
 
 
 def _swap_linears(model: nn.Module, make) -> None:
@@ -101,7 +102,7 @@ def quantize_for_inference(model: nn.Module, quant) -> nn.Module:
 def quantize_linears(module: nn.Module, quant) -> None:
     """Quantize the linear layers of `module` (a model, or one layer of it) that quantization applies to."""
     scheme = inference_scheme(quant.name)
-    if scheme in ("int8_wo", "int4_wo") and next(module.parameters()).device.type == "cpu":
+    if scheme in WEIGHT_ONLY and next(module.parameters()).device.type == "cpu":
         from speedllm.quant.int4 import Int4Linear
         from speedllm.quant.int8 import Int8Linear
 
