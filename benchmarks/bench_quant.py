@@ -7,7 +7,9 @@ on the same fp32 weights (shared, not copied; the quantized variants hold only t
 greedy, one thread, and all runners of a size take turns within each repeat, so load from other processes
 hits them alike. Decode tokens/s = batch x (N - 1) / (time of N new tokens - time of 1), the median over
 --repeats, timed with this process's CPU time (on a shared machine wall time mostly measures the scheduler).
-transformers has no int4 row: torchao's int4 needs the CUDA-only mslk kernels.
+transformers int8_wo holds the same int8 numbers as ours: torchao Int8WeightOnly projections and output
+projection, and the embedding's dequantized int8 rows. transformers has no int4 row: torchao's int4 needs the
+CUDA-only mslk kernels.
 """
 
 import argparse
@@ -16,6 +18,7 @@ import time
 
 import torch
 from omegaconf import OmegaConf
+from torch import nn
 
 from speedllm.config.schema import ModelConfig, QuantConfig
 from speedllm.infer.engine import generate_ids
@@ -24,6 +27,7 @@ from speedllm.models import Qwen3, num_params
 from speedllm.models.hf_adapter import from_hf_state_dict, hf_config
 from speedllm.paths import CONF
 from speedllm.quant import QUANTIZED, quantize_for_inference
+from speedllm.quant.int8 import quantize_int8
 
 PROMPT_LEN = 16
 SIZES = {
@@ -62,7 +66,12 @@ def runners(cfg):
     for name, buffer in hf.named_buffers():  # RoPE tables are not in the state dict
         module, _, attr = name.rpartition(".")
         setattr(hf_int8.get_submodule(module), attr, buffer)
-    quantize_(hf_int8, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn.rsplit(".", 1)[-1] in QUANTIZED)
+    # The int8 tables ours uses: the output projection (untied) through torchao, the embedding's rows dequantized.
+    hf_int8.lm_head.weight = nn.Parameter(hf.lm_head.weight.detach().clone(), requires_grad=False)
+    quantize_(hf_int8, Int8WeightOnlyConfig(),
+              filter_fn=lambda m, fqn: fqn.rsplit(".", 1)[-1] in QUANTIZED + ("lm_head",))
+    q, scale = quantize_int8(hf.model.embed_tokens.weight)
+    hf_int8.model.embed_tokens.weight = nn.Parameter(q.float() * scale[:, None], requires_grad=False)
 
     def run_ours(model):
         return lambda prompt, n: generate_ids(model, prompt.tolist(), n, Sampling(), [], 0, torch.float32)

@@ -40,16 +40,36 @@ def test_every_quant_option_composes():
 
 
 def test_int8_wo_generates_the_tokens_of_transformers_with_the_same_torchao_quantization(model_pair):
+    """Ours (int8 kernel, int8 embedding and output projection) against transformers whose projections and
+    output projection are torchao Int8WeightOnly tensors and whose embedding holds torchao's dequantized rows."""
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    from speedllm.quant.int8 import Int8Embedding, Int8Linear
 
     hf, ours = model_pair
     quantize_for_inference(ours, quant("int8_wo"))
-    quantize_(hf, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn.rsplit(".", 1)[-1] in QUANTIZED)
-    quantized = [name for name, m in ours.named_modules()
-                 if isinstance(m, nn.Linear) and type(m.weight).__name__ == "Int8Tensor"]
-    assert len(quantized) == 7 * 2 and not any("lm_head" in n or "embed" in n for n in quantized)
+    hf.lm_head.weight = nn.Parameter(hf.lm_head.weight.detach().clone(), requires_grad=False)  # untie
+    quantize_(hf, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn.rsplit(".", 1)[-1] in QUANTIZED + ("lm_head",))
+    quantized = [name for name, m in ours.named_modules() if isinstance(m, Int8Linear)]
+    assert len(quantized) == 7 * 2 + 1 and isinstance(ours.embed_tokens, Int8Embedding)
+    assert torch.equal(ours.lm_head.weight, hf.lm_head.weight.dequantize())  # torchao's int8 numbers exactly
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.copy_(ours.embed_tokens.weight)
     ids = generate_ids(ours, PROMPTS, 12, GREEDY, stop_ids=[], pad_id=0, dtype=torch.float32)
     assert ids == hf_greedy(hf, PROMPTS, 12)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 11])
+def test_int8_kernel_equals_its_reference_twin(rows):
+    from speedllm.quant.int8 import int8_wo_mm, int8_wo_mm_reference, kernel, quantize_int8
+
+    if kernel() is None:
+        pytest.skip("no C compiler or no AVX-512 here: int8 layers run the reference twin")
+    torch.manual_seed(0)
+    q, scale = quantize_int8(torch.randn(40, 208))  # 208 = 3 x 64 + 16: the unrolled loop and its tail
+    x = torch.randn(rows, 208)
+    torch.testing.assert_close(int8_wo_mm(x, q, scale), int8_wo_mm_reference(x, q, scale), rtol=1e-5, atol=1e-5)
+    assert torch.equal(int8_wo_mm(x.bfloat16(), q, scale), int8_wo_mm(x.bfloat16().float(), q, scale).bfloat16())
 
 
 def test_int4_linear_computes_with_torchaos_dequantized_weight():
@@ -199,3 +219,47 @@ def test_qat_int4_training_computes_with_the_int4_weights_inference_will_use(tmp
     assert torch.allclose(loss, expected, rtol=1e-5)
     loss.backward()
     assert qat.layers["0"].mlp.up_proj.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("name", ["int8_wo", "int4_wo"])
+def test_quantizing_while_loading_equals_quantizing_the_loaded_model(name, tied, save_tiny_hf, tmp_path):
+    """load_model quantizes piece by piece as it reads (HF directory and DCP checkpoint); the result is the
+    full-precision model loaded whole and then quantized, tensor for tensor."""
+    from speedllm.checkpoint.convert import hf_to_dcp
+    from speedllm.infer.load import adopt_checkpoint_config, load_model
+    from speedllm.runtime import Runtime
+
+    save_tiny_hf(tmp_path / "hf", tokenizer=False, vocab_size=128, hidden_size=64, intermediate_size=128,
+                 tie_word_embeddings=tied)
+    base = ["task=generate", "hardware=cpu", f"run_dir={tmp_path}", "quant.group_size=32"]
+    hf = ["model=hf", f"checkpoint.load_hf={tmp_path / 'hf'}"]
+    hf_to_dcp(str(tmp_path / "hf"), str(tmp_path / "dcp"), composed(*base, *hf))
+    expected = quantize_for_inference(load_model(composed(*base, *hf), Runtime()), quant(name)).state_dict()
+    for source in (hf, [f"checkpoint.load={tmp_path / 'dcp'}"]):
+        cfg = composed(*base, *source, f"quant={name}")
+        adopt_checkpoint_config(cfg)
+        got = load_model(cfg, Runtime()).state_dict()
+        assert list(got) == list(expected)
+        assert all(torch.equal(got[k], expected[k]) for k in expected), source
+
+
+def test_quantizing_while_loading_never_holds_the_full_precision_model(save_tiny_hf, tmp_path):
+    """Peak live tensor bytes while loading int8_wo: the int8 model plus about one fp32 layer, against the fp32
+    model's own bytes (which loading then quantizing holds whole, measured the same way)."""
+    from speedllm.infer.load import load_model
+    from speedllm.planner.measure import PeakTensorMemory
+    from speedllm.runtime import Runtime
+
+    save_tiny_hf(tmp_path / "hf", tokenizer=False, vocab_size=128, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=8, tie_word_embeddings=True)
+    base = ["task=generate", "hardware=cpu", f"run_dir={tmp_path}", "model=hf", f"checkpoint.load_hf={tmp_path / 'hf'}"]
+    with PeakTensorMemory() as whole:
+        fp32 = load_model(composed(*base), Runtime())
+        fp32_bytes = sum(p.numel() * 4 for p in fp32.parameters())
+        quantize_for_inference(fp32, quant("int8_wo"))
+    with PeakTensorMemory() as streamed:
+        int8 = load_model(composed(*base, "quant=int8_wo"), Runtime())
+    int8_bytes = sum(b.numel() * b.element_size() for b in int8.buffers())
+    assert whole.peak >= fp32_bytes
+    assert streamed.peak < int8_bytes + 2 * fp32_bytes / 8 < 0.6 * fp32_bytes

@@ -221,7 +221,6 @@ def load_hf_weights(model, path: str) -> None:
         path: HF model directory.
     Each tensor is read as this rank's slice only and converted to the parameter's dtype.
     """
-    from safetensors import safe_open
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from torch.distributed.tensor import DTensor
 
@@ -230,29 +229,40 @@ def load_hf_weights(model, path: str) -> None:
     read_hf_config(path)
     files = weight_files(path)
     check_hf_files(path, model_cfg, files)
-    with ExitStack() as stack:
-        readers = {}
-
-        def read(hf_name: str, index: Tuple[slice, ...]) -> torch.Tensor:
-            file = files[hf_name]
-            if file not in readers:
-                readers[file] = stack.enter_context(safe_open(str(file), framework="pt"))
-            return readers[file].get_slice(hf_name)[index]
-
+    with hf_reader(path, model_cfg, files) as read:
         for module in modules:
             state = get_model_state_dict(module)
             for name, target in state.items():
                 if is_adapter(name):  # LoRA adapters are not part of the base model
                     continue
-                index = _local_slices(target)
                 local = target.to_local() if isinstance(target, DTensor) else target
-                sources = _sources(name, target.shape, model_cfg)
-                if len(sources) == 1:
-                    value = read(sources[0], index)
-                else:  # stacked experts [E, out, in]: this rank's experts, each its own HF tensor
-                    value = torch.stack([read(sources[e], index[1:]) for e in range(index[0].start, index[0].stop)])
-                local.copy_(value)
+                local.copy_(read(name, target.shape, _local_slices(target)))
             set_model_state_dict(module, state)
+
+
+@contextmanager
+def hf_reader(path: str, model_cfg, files: Dict[str, Path]):
+    """read(name, shape, index) -> the `index` slice of our tensor `name` (of full `shape`), from the HF files;
+    each file stays memory-mapped (and its pages read so far resident) until the context exits."""
+    from safetensors import safe_open
+
+    with ExitStack() as stack:
+        readers = {}
+
+        def read_hf(hf_name: str, index: Tuple[slice, ...]) -> torch.Tensor:
+            file = files[hf_name]
+            if file not in readers:
+                readers[file] = stack.enter_context(safe_open(str(file), framework="pt"))
+            return readers[file].get_slice(hf_name)[index]
+
+        def read(name: str, shape, index: Tuple[slice, ...]) -> torch.Tensor:
+            sources = _sources(name, shape, model_cfg)
+            if len(sources) == 1:
+                return read_hf(sources[0], index)
+            # stacked experts [E, out, in]: the experts of index[0], each its own HF tensor
+            return torch.stack([read_hf(sources[e], index[1:]) for e in range(index[0].start, index[0].stop)])
+
+        yield read
 
 
 # ----------------------------------------------------------------------------------------- writing

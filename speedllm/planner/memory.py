@@ -454,9 +454,10 @@ def inference_weight_bytes(model_cfg, quant, dtype: str) -> Tuple[float, float]:
     """(bytes of the whole model's weights for inference under `quant`, the same in `dtype`, unquantized).
 
     The projections quantization applies to (speedllm.quant.QUANTIZED) take bytes_per_weight of their scheme;
-    embedding, output projection, norms, router and experts stay in the compute dtype.
+    the weight-only schemes keep the embedding and output projection in int8 (speedllm.quant.int8_tables);
+    norms, router and experts stay in the compute dtype.
     """
-    from speedllm.quant import QUANTIZED, bytes_per_weight
+    from speedllm.quant import QUANTIZED, bytes_per_weight, int8_tables
 
     mt = model_tensors(model_cfg)
     e = DTYPES[dtype].itemsize
@@ -465,8 +466,11 @@ def inference_weight_bytes(model_cfg, quant, dtype: str) -> Tuple[float, float]:
     tensors = [t for kind in mt.layer_kind for t in mt.layer_kinds[kind]] + list(mt.embed) + list(mt.head)
     for t in tensors:
         numel = math.prod(t.shape)
-        quantized = not t.expert and t.name.rsplit(".", 2)[-2] in QUANTIZED
-        total += numel * (per_weight if quantized else e)
+        module = t.name.rsplit(".", 2)[-2]
+        if int8_tables(quant.name) and module in ("embed_tokens", "lm_head"):
+            total += numel * 1.0
+        else:
+            total += numel * (per_weight if not t.expert and module in QUANTIZED else e)
         plain += numel * e
     return total, plain
 

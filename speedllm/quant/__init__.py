@@ -1,12 +1,13 @@
 """Quantization applied from outside the model (`quant=` config group), like parallelism.
 
-Which weights: the projections of attention and of the dense MLP (`QUANTIZED`). The embedding, the output
-projection (tied to the embedding in the small Qwen3s, and read directly by the chunked loss), norms and the
-MoE router stay in full precision; MoE experts too (their weights are stacked 3-D tensors used by a grouped
-matmul, which neither torchao's `quantize_` nor torch's packed matmuls take).
+Which weights: the projections of attention and of the dense MLP (`QUANTIZED`); on CPUs under the weight-only
+schemes also the embedding and the output projection, as one int8 table (`quantize_embeddings`; tied, one table
+serves both). Norms and the MoE router stay in full precision; MoE experts too (their weights are stacked 3-D
+tensors used by a grouped matmul, which neither torchao's `quantize_` nor torch's packed matmuls take).
 
-    inference (task=generate/chat/evaluate/convert): quantize_for_inference() on the loaded model
-        int8_wo   torchao Int8WeightOnlyConfig (int8, per-channel scales)
+    inference (task=generate/chat/evaluate/convert): quantize_for_inference() on a loaded model, or
+    speedllm.infer.load.load_quantized() while loading (CPU, weight-only schemes)
+        int8_wo   CPU: speedllm.quant.int8 (torchao's int8 numbers, our C kernel); GPU: torchao Int8WeightOnlyConfig
         int4_wo   CPU: speedllm.quant.int4 on torch's packed int4 matmul; GPU: torchao Int4WeightOnlyConfig
         int8_dyn  torchao Int8DynamicActivationInt8WeightConfig
         qat_int4  = int4_wo (the scheme it was trained against)
@@ -22,6 +23,7 @@ from torch import nn
 QUANT_NAMES = ("none", "int8_wo", "int4_wo", "int8_dyn", "float8", "qat_int4")
 TRAINING = ("none", "float8", "qat_int4")
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
+WEIGHT_ONLY = ("int8_wo", "int4_wo")  # inference schemes with our own CPU layers (speedllm.quant.int8 / int4)
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -51,6 +53,12 @@ def bytes_per_weight(name: str, dtype_bytes: float, group_size: int = 128) -> fl
     return dtype_bytes
 
 
+def int8_tables(name: str) -> bool:
+    """Whether quant=name keeps the embedding and output projection in int8: the weight-only schemes on CPUs,
+    where the int8 kernel is (the planner counts this format; on GPUs torchao quantizes the projections only)."""
+    return inference_scheme(name) in WEIGHT_ONLY
+
+
 def _swap_linears(model: nn.Module, make) -> None:
     """Replace every quantized nn.Linear with make(linear) (a new module; the parent's attribute is rebound)."""
     for fqn, module in list(model.named_modules()):
@@ -59,9 +67,24 @@ def _swap_linears(model: nn.Module, make) -> None:
             model.get_submodule(parent_name).register_module(child, make(module))
 
 
+def quantize_embeddings(model: nn.Module) -> None:
+    """The embedding and output projection of a Qwen3 (or of its pipeline stage) in int8, per row; tied, they
+    share one int8 table. At batch-1 decode the output projection is the largest single read (a quarter of
+    qwen3_0.6b's weights)."""
+    from speedllm.quant.int8 import Int8Embedding, Int8Linear, quantize_int8
+
+    embed, head = model.embed_tokens, model.lm_head
+    if embed is not None:
+        table = quantize_int8(embed.weight)
+        model.embed_tokens = Int8Embedding(*table, embed.weight.dtype)
+    if head is not None:
+        tied = embed is not None and head.weight is embed.weight
+        model.lm_head = Int8Linear(*table, head.weight.dtype) if tied else Int8Linear.from_linear(head)
+
+
 @torch.no_grad()
 def quantize_for_inference(model: nn.Module, quant) -> nn.Module:
-    """Quantize the loaded full-precision model's linear layers in place for quant.name; returns the model.
+    """Quantize the loaded full-precision model in place for quant.name (see the module docstring); returns it.
 
     Args:
         quant: the `quant` config section (name, group_size).
@@ -69,16 +92,28 @@ def quantize_for_inference(model: nn.Module, quant) -> nn.Module:
     scheme = inference_scheme(quant.name)
     if scheme == "none":
         return model
-    device = next(model.parameters()).device
-    if scheme == "int4_wo" and device.type == "cpu":
-        from speedllm.quant.int4 import Int4Linear
+    if int8_tables(scheme) and next(model.parameters()).device.type == "cpu":
+        quantize_embeddings(model)
+    quantize_linears(model, quant)
+    return model
 
-        _swap_linears(model, lambda linear: Int4Linear.from_linear(linear, quant.group_size))
-        return model
+
+@torch.no_grad()
+def quantize_linears(module: nn.Module, quant) -> None:
+    """Quantize the linear layers of `module` (a model, or one layer of it) that quantization applies to."""
+    scheme = inference_scheme(quant.name)
+    if scheme in WEIGHT_ONLY and next(module.parameters()).device.type == "cpu":
+        from speedllm.quant.int4 import Int4Linear
+        from speedllm.quant.int8 import Int8Linear
+
+        if scheme == "int8_wo":
+            _swap_linears(module, Int8Linear.from_linear)
+        else:
+            _swap_linears(module, lambda linear: Int4Linear.from_linear(linear, quant.group_size))
+        return
     from torchao.quantization import quantize_
 
-    quantize_(model, torchao_inference_config(scheme, quant), filter_fn=is_quantized)
-    return model
+    quantize_(module, torchao_inference_config(scheme, quant), filter_fn=is_quantized)
 
 
 def torchao_inference_config(scheme: str, quant):

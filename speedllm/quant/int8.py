@@ -1,0 +1,148 @@
+"""int8 weight-only layers for CPUs: linear layers, and the (tied) embedding and output projection.
+
+The quantization is torchao's (`Int8Tensor.from_hp`, per output row: w ~ q * scale, q in -128..127), so the
+weights are the ones torchao's `Int8WeightOnlyConfig` makes. The matmul is `int8_wo_mm`: a small C kernel
+(int8_kernel.c) compiled once with the host's compiler and cached, which reads one byte per weight and widens it
+in registers; torchao's CPU path and torch's `_weight_int8pack_mm` were slower than fp32 at batch 1 here
+(BENCHMARKS.md). Without a compiler or AVX-512 the reference twin runs: F.linear on the widened weight.
+
+Letters: N rows (tokens), D in features, O out features, V vocabulary.
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KERNEL_SOURCE = Path(__file__).with_name("int8_kernel.c")
+
+
+def quantize_int8(weight_OD: torch.Tensor, block: int = 4096):
+    """(q_OD int8, scale_O fp32) of a 2-D weight, by torchao's per-row symmetric rule (`block` rows at a time,
+    so the temporaries stay small next to a vocabulary-sized table)."""
+    from torchao.quantization import PerRow
+    from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
+
+    q = torch.empty(weight_OD.shape, dtype=torch.int8, device=weight_OD.device)
+    scale = torch.empty(weight_OD.shape[0], dtype=torch.float32, device=weight_OD.device)
+    for start in range(0, weight_OD.shape[0], block):
+        t = Int8Tensor.from_hp(weight_OD[start : start + block].detach().float(), granularity=PerRow())
+        q[start : start + block], scale[start : start + block] = t.qdata, t.scale.reshape(-1)
+    return q, scale
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "speedllm" / "kernels"
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+@functools.cache
+def kernel():
+    """The compiled int8_wo_mm (ctypes), or None where it cannot be built or has no fast path on this CPU."""
+    # -march=native: the build is for this CPU, so its flags are part of the key (a shared cache never hands an
+    # AVX-512 build to a CPU without it)
+    cpu = next((line for line in _cpuinfo().splitlines() if line.startswith("flags")), platform.processor())
+    key = hashlib.sha256(KERNEL_SOURCE.read_bytes() + cpu.encode()).hexdigest()[:16]
+    library = cache_dir() / f"int8_wo_mm_{key}.so"
+    if not library.exists():
+        library.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=library.parent) as tmp:  # build aside, then rename: atomic
+            built = Path(tmp) / library.name
+            command = [os.environ.get("CC", "cc"), "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
+                       str(KERNEL_SOURCE), "-o", str(built)]
+            try:
+                subprocess.run(command, check=True, capture_output=True)
+            except (OSError, subprocess.CalledProcessError) as e:
+                warnings.warn(f"int8 kernel not built ({' '.join(command)}: {e}); int8 layers use the slower "
+                              "reference matmul")
+                return None
+            built.rename(library)
+    lib = ctypes.CDLL(str(library))
+    if not lib.int8_wo_mm_fast():
+        return None
+    fn = lib.int8_wo_mm
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    return fn
+
+
+def int8_wo_mm_reference(x_ND: torch.Tensor, q_OD: torch.Tensor, scale_O: torch.Tensor) -> torch.Tensor:
+    return F.linear(x_ND, q_OD.to(x_ND.dtype)) * scale_O.to(x_ND.dtype)
+
+
+def int8_wo_mm(x_ND: torch.Tensor, q_OD: torch.Tensor, scale_O: torch.Tensor) -> torch.Tensor:
+    """x_ND @ (q_OD * scale_O[:, None]).T in x's dtype (accumulated in fp32 by the kernel)."""
+    fn = kernel() if x_ND.device.type == "cpu" and q_OD.shape[1] % 16 == 0 else None
+    if fn is None or torch.is_grad_enabled() and x_ND.requires_grad:
+        return int8_wo_mm_reference(x_ND, q_OD, scale_O)
+    x = x_ND.float().contiguous()
+    y = torch.empty(x.shape[0], q_OD.shape[0], dtype=torch.float32)
+    fn(x.data_ptr(), q_OD.data_ptr(), scale_O.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], q_OD.shape[0],
+       torch.get_num_threads())
+    return y.to(x_ND.dtype)
+
+
+class Int8Linear(nn.Module):
+    """A bias-free linear layer with an int8 weight and one fp32 scale per output row (inference only).
+
+    `weight` gives the dequantized weight, for code that reads it directly (the chunked loss of an output
+    projection).
+    """
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.dtype = dtype
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+        return cls(*quantize_int8(linear.weight), linear.weight.dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return (self.qweight.float() * self.scale[:, None]).to(self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = int8_wo_mm(x.reshape(-1, self.in_features), self.qweight, self.scale)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Int8Embedding(nn.Module):
+    """An embedding table in int8 with one scale per row; it can share its buffers with a tied Int8Linear."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = qweight.shape
+        self.dtype = dtype
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return (self.qweight.float() * self.scale[:, None]).to(self.dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return (self.qweight[ids].float() * self.scale[ids, None]).to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}"
