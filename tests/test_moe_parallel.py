@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
-from test_parallel import RUN, losses, saved_weights
+from test_parallel import RUN, assert_matches, losses
 
 from speedllm.config import compose_config
 
@@ -116,15 +116,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_moe_pipeline_layout_matches_single_process(layout, runs):
-    expected, got = losses(runs / "single")[:5], losses(runs / layout)
-    assert len(got) == 5
-    for a, b in zip(got, expected):
-        assert abs(a - b) <= 1e-5 * abs(b), (got, expected)
-    ours = saved_weights(runs / layout / "checkpoints" / "step_00000005")
-    theirs = saved_weights(runs / "single" / "checkpoints" / "step_00000005")
-    assert ours.keys() == theirs.keys()
-    for name in theirs:
-        assert (ours[name] - theirs[name]).abs().max().item() <= 1e-4, name
+    assert_matches(runs / layout, runs / "single")
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -67,6 +67,20 @@ def losses(run_dir: Path) -> list:
     return [r["loss"] for r in records if "split" not in r]
 
 
+def assert_matches(run_dir: Path, reference: Path, num_losses: int = 5) -> None:
+    """The run's losses within 1e-5 relative of the reference's, its step-5 weights within 1e-4, and trained."""
+    expected, got = losses(reference)[:num_losses], losses(run_dir)
+    assert len(got) == num_losses
+    for a, b in zip(got, expected):
+        assert abs(a - b) <= 1e-5 * abs(b), (got, expected)
+    ours = saved_weights(run_dir / "checkpoints" / "step_00000005")
+    theirs = saved_weights(reference / "checkpoints" / "step_00000005")
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        assert (ours[name] - theirs[name]).abs().max().item() <= 1e-4, name
+    assert not torch.equal(theirs["norm.weight"], torch.ones_like(theirs["norm.weight"]))  # it trained
+
+
 def saved_weights(checkpoint: Path) -> dict:
     """A checkpoint's model weights, loaded by DCP into a single-process model (as a resume would)."""
     import torch.distributed.checkpoint as dcp
@@ -98,17 +112,7 @@ def runs(tmp_path_factory, launch_argv):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_process(layout, runs):
-    reference = runs / REFERENCES[id(LAYOUTS[layout][0])]
-    expected, got = losses(reference)[:5], losses(runs / layout)
-    assert len(got) == 5
-    for a, b in zip(got, expected):
-        assert abs(a - b) <= 1e-5 * abs(b), (got, expected)
-    ours = saved_weights(runs / layout / "checkpoints" / "step_00000005")
-    theirs = saved_weights(reference / "checkpoints" / "step_00000005")
-    assert ours.keys() == theirs.keys()
-    for name in theirs:
-        assert (ours[name] - theirs[name]).abs().max().item() <= 1e-4, name
-    assert not torch.equal(theirs["norm.weight"], torch.ones_like(theirs["norm.weight"]))  # it trained
+    assert_matches(runs / layout, runs / REFERENCES[id(LAYOUTS[layout][0])])
 
 
 def test_tp2_pp2_checkpoint_resumes_under_fsdp4_and_single_process(runs, tmp_path, launch_argv):
