@@ -97,27 +97,31 @@ def int8_wo_mm(x_ND: torch.Tensor, q_OD: torch.Tensor, scale_O: torch.Tensor) ->
     return y.to(x_ND.dtype)
 
 
-class Int8Linear(nn.Module):
-    """A bias-free linear layer with an int8 weight and one fp32 scale per output row (inference only).
-
-    `weight` gives the dequantized weight, for code that reads it directly (the chunked loss of an output
-    projection).
-    """
+class _Int8Rows(nn.Module):
+    """An int8 [rows, columns] matrix with one fp32 scale per row (inference only); `weight` dequantizes it, for
+    code that reads the weight directly (the chunked loss of an output projection)."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.out_features, self.in_features = qweight.shape
         self.dtype = dtype
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
-        return cls(*quantize_int8(linear.weight), linear.weight.dtype)
-
     @property
     def weight(self) -> torch.Tensor:
         return (self.qweight.float() * self.scale[:, None]).to(self.dtype)
+
+
+class Int8Linear(_Int8Rows):
+    """A bias-free linear layer with an int8 weight and one fp32 scale per output row."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32):
+        super().__init__(qweight, scale, dtype)
+        self.out_features, self.in_features = qweight.shape
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+        return cls(*quantize_int8(linear.weight), linear.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = int8_wo_mm(x.reshape(-1, self.in_features), self.qweight, self.scale)
@@ -127,19 +131,12 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
-class Int8Embedding(nn.Module):
+class Int8Embedding(_Int8Rows):
     """An embedding table in int8 with one scale per row; it can share its buffers with a tied Int8Linear."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32):
-        super().__init__()
+        super().__init__(qweight, scale, dtype)
         self.num_embeddings, self.embedding_dim = qweight.shape
-        self.dtype = dtype
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("scale", scale)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return (self.qweight.float() * self.scale[:, None]).to(self.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return (self.qweight[ids].float() * self.scale[ids, None]).to(self.dtype)
