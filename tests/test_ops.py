@@ -61,7 +61,8 @@ def test_rms_norm_of_a_bf16_input_with_an_fp32_weight_stays_fused(impl, device):
 
 
 def attention_cases(device):
-    """(q, k, v, mask): causal, packed documents with padding, and cached decode where S < T."""
+    """(q, k, v, mask): causal, packed documents with padding, cached decode where S < T, and a one-query
+    decode step without a mask."""
     B, H, K, S, Dh = 2, 4, 2, 12, 16
     docs = torch.tensor([[0] * 5 + [1] * 7, [0] * 12], device=device)
     pos = torch.arange(S, device=device)
@@ -75,7 +76,15 @@ def attention_cases(device):
         (rand(B, H, S, Dh, device=device), *kv(), None),
         (rand(B, H, S, Dh, device=device), *kv(), doc_mask),
         (rand(B, H, 3, Dh, device=device), *kv(), decode_mask),
+        (rand(B, H, 1, Dh, device=device), *kv(), None),
     ]
+
+
+def test_one_query_without_mask_sees_every_key():
+    q, k, v = rand(2, 4, 1, 16), rand(2, 2, 12, 16), rand(2, 2, 12, 16)
+    every_key = torch.ones(2, 1, 1, 12, dtype=torch.bool)
+    check(lambda q, k, v: reference.attention(q, k, v, None, 0.25),
+          lambda q, k, v: reference.attention_math(q, k, v, every_key, 0.25), [q, k, v], 1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)

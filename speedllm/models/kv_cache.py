@@ -18,6 +18,7 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.key_mask = torch.ones(batch, max_seq_len, dtype=torch.bool, device=device)
+        self.padded = False  # whether key_mask was ever written (else every cached position is a real token)
         self.max_seq_len = max_seq_len
         self.pos = 0
 

@@ -213,8 +213,9 @@ class Qwen3(nn.Module):
         Combines causality (queries sit at positions start..start+S-1), documents of a packed sequence and
         left padding (this step's attention_mask, remembered by the cache for later steps).
         """
-        if document_ids is None and attention_mask is None and start == 0:
-            return None  # plain causal, S == T (a fresh cache's key_mask is all True)
+        if document_ids is None and attention_mask is None:
+            if start == 0 or S == 1 and not kv_cache.padded:
+                return None  # plain causal: S == T, or one query after keys that are all real tokens
         T = start + S
         q_pos = torch.arange(start, T, device=device)[:, None]
         k_pos = torch.arange(T, device=device)[None, :]
@@ -225,6 +226,7 @@ class Qwen3(nn.Module):
         if kv_cache is not None:
             if attention_mask is not None:
                 kv_cache.key_mask[:, start:T] = attention_mask[:, -S:].bool()
+                kv_cache.padded = True
             key_mask = kv_cache.key_mask[:, :T]
         elif attention_mask is not None:
             key_mask = attention_mask.bool()

@@ -7,8 +7,10 @@ Signatures (letters: B batch, S query length, T key length, H query heads, K kv 
 N rows, D features, O output features, E experts, V vocabulary):
   rms_norm(x_ND, weight_D, eps) -> y_ND                    RMSNorm over the last dim, statistics in fp32
   rotary(x_BSHD, cos_BSD, sin_BSD) -> x_BSHD                RoPE, rotate-half convention (as transformers)
-  attention(q_BHSD, k_BKTD, v_BKTD, mask, scale) -> o_BHSD  GQA; mask None = causal with S == T, otherwise a
-                                                           bool [B, 1, S, T] tensor, True = may attend
+  attention(q_BHSD, k_BKTD, v_BKTD, mask, scale) -> o_BHSD  GQA; mask None = causal, the queries being the last
+                                                           S of the T keys (S == T, or S == 1: every key),
+                                                           otherwise a bool [B, 1, S, T] tensor, True = may
+                                                           attend
   varlen_attention(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale) -> o_THD
                                                            causal GQA within each of the documents packed
                                                            back to back along T; cu_seqlens int32 [docs + 1]

@@ -39,7 +39,9 @@ def _causal_mask(device):
 
 def attention(q, k, v, mask, scale):
     """npu_fusion_attention in BNSD layout; GQA is native (fewer kv heads than query heads)."""
-    if mask is None:
+    if mask is None and q.shape[2] == 1:
+        atten_mask, sparse_mode = None, 0  # one query (decode) sees every key
+    elif mask is None:
         atten_mask, sparse_mode = _causal_mask(q.device), 2  # 2: left-up causal, S == T
     else:
         atten_mask, sparse_mode = ~mask, 0  # 0: the full mask as given

@@ -32,8 +32,8 @@ def rotary(x_BSHD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor) -
 
 def attention(q, k, v, mask, scale):
     """Causal (mask None) or masked GQA attention through SDPA; see the module docstring."""
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    if mask is None:  # SDPA's causal mask is aligned top-left: one query (decode) sees every key without it
+        return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=scale, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
@@ -60,7 +60,7 @@ def attention_math(q, k, v, mask, scale):
     scores = (q @ k.transpose(-1, -2)) * scale
     if mask is None:
         S, T = q.shape[2], k.shape[2]
-        mask = torch.ones(S, T, dtype=torch.bool, device=q.device).tril()
+        mask = torch.ones(S, T, dtype=torch.bool, device=q.device).tril(T - S)
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
