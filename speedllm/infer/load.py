@@ -151,17 +151,23 @@ class WeightSource:
             check_hf_files(self.hf, model_cfg, self.files)
 
     def read(self, tensors: dict, rows: slice = None) -> None:
-        """Fill {name: tensor} in place (with `rows`: that block of rows of each, from an HF directory)."""
+        """Fill {name: tensor} in place (plain tensors or tensor-parallel DTensors; with `rows`: that block of
+        rows of each plain tensor, from an HF directory)."""
         if self.dcp is not None:
             from speedllm.checkpoint.dcp import dcp_load
 
             return dcp_load({"model": tensors}, self.dcp)
-        from speedllm.checkpoint.hf import hf_reader
+        from torch.distributed.tensor import DTensor
+
+        from speedllm.checkpoint.hf import local_slices, hf_reader
 
         with hf_reader(self.hf, self.model_cfg, self.files) as read:  # closed after each piece: pages unmapped
             for name, target in tensors.items():
-                index = (rows or slice(0, target.shape[0]),) + tuple(slice(0, n) for n in target.shape[1:])
-                target.copy_(read(name, target.shape, index))
+                index = local_slices(target)  # a tensor-parallel shard: only its own block is read
+                if rows is not None:
+                    index = (rows,) + index[1:]
+                local = target.to_local() if isinstance(target, DTensor) else target
+                local.copy_(read(name, target.shape, index))
 
     def fill(self, module: nn.Module, prefix: str) -> None:
         self.read({prefix + name: t for name, t in module.state_dict().items()})

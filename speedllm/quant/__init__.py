@@ -100,20 +100,34 @@ def quantize_for_inference(model: nn.Module, quant) -> nn.Module:
 
 @torch.no_grad()
 def quantize_linears(module: nn.Module, quant) -> None:
-    """Quantize the linear layers of `module` (a model, or one layer of it) that quantization applies to."""
+    """Quantize the linear layers of `module` (a model, or one layer of it) that quantization applies to; under
+    tensor parallelism each rank quantizes its own shards (speedllm.parallel.tensor.quantize_tp_linear)."""
+    from torch.distributed.tensor import DTensor
+
     scheme = inference_scheme(quant.name)
-    if scheme in WEIGHT_ONLY and next(module.parameters()).device.type == "cpu":
-        from speedllm.quant.int4 import Int4Linear
-        from speedllm.quant.int8 import Int8Linear
+    own_kernels = scheme in WEIGHT_ONLY and next(module.parameters()).device.type == "cpu"
 
-        if scheme == "int8_wo":
-            _swap_linears(module, Int8Linear.from_linear)
-        else:
-            _swap_linears(module, lambda linear: Int4Linear.from_linear(linear, quant.group_size))
-        return
-    from torchao.quantization import quantize_
+    def quantize(linear: nn.Linear, group=None) -> nn.Module:
+        if own_kernels:
+            from speedllm.quant.int4 import Int4Linear
+            from speedllm.quant.int8 import Int8Linear
 
-    quantize_(module, torchao_inference_config(scheme, quant), filter_fn=is_quantized)
+            if scheme == "int8_wo":
+                return Int8Linear.from_linear(linear, group)
+            return Int4Linear.from_linear(linear, quant.group_size)
+        from torchao.quantization import quantize_
+
+        quantize_(linear, torchao_inference_config(scheme, quant))  # in place (int8_dyn: row scales per shard)
+        return linear
+
+    def make(linear: nn.Linear) -> nn.Module:
+        if isinstance(linear.weight, DTensor):
+            from speedllm.parallel.tensor import quantize_tp_linear
+
+            return quantize_tp_linear(linear, quantize)
+        return quantize(linear)
+
+    _swap_linears(module, make)
 
 
 def torchao_inference_config(scheme: str, quant):
