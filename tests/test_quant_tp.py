@@ -6,7 +6,7 @@ matrix), is exactly the matching slice of the single process' (row-parallel int8
 the ranks; int4 groups lie inside one shard), greedy tokens are identical, and the prefill logits agree within
 fp32 summation order (int8) or the bf16 rounding of the int4 kernel's partial outputs (int4). int8_dyn quantizes
 each shard's rows and activations by itself: tokens identical and the logits nearer the single process' int8_dyn
-than that is to fp32. Then the launched task=generate under tp2 writes the single process' rows.
+than that is to fp32. Each rank holds the weight bytes the planner counts for it. Then the launched task=generate under tp2 writes the single process' rows.
 """
 
 import os
@@ -15,11 +15,13 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+from omegaconf import OmegaConf
 from test_generate import read_rows
 from test_moe_parallel import runtime
 from test_quant import GREEDY, PROMPTS
 
 from speedllm.config import compose_config as composed
+from speedllm.planner.memory import inference_weight_bytes
 from speedllm.quant import QUANTIZED
 
 pytestmark = pytest.mark.distributed
@@ -28,27 +30,39 @@ RUNS = [("hf", "int8_wo"), ("hf", "int4_wo"), ("hf", "int8_dyn"), ("dcp", "int8_
 ROWWISE = ("o_proj", "down_proj")
 
 
-def load(root, source, name, tp):
-    from speedllm.infer.load import adopt_checkpoint_config, load_model
+def config(root, source, name, tp):
+    from speedllm.infer.load import adopt_checkpoint_config
 
     weights = ["model=hf", f"checkpoint.load_hf={root / 'hf'}"] if source == "hf" else [f"checkpoint.load={root / 'dcp'}"]
     cfg = composed("task=generate", "hardware=cpu", f"run_dir={root}", f"quant={name}", "quant.group_size=32",
                    "parallel=tp2" if tp == 2 else "parallel=single", *weights)
     adopt_checkpoint_config(cfg)
+    return cfg
+
+
+def load(root, source, name, tp):
+    from speedllm.infer.load import load_model
+
+    cfg = config(root, source, name, tp)
     rank = torch.distributed.get_rank() if tp == 2 else 0
     return load_model(cfg, runtime(cfg, rank, tp))
 
 
 @torch.no_grad()
 def outputs(model, tp) -> dict:
-    """Prefill logits of one prompt, greedy tokens of a batch, and each quantized layer's weight [in, out]."""
+    """Prefill logits of one prompt, greedy tokens of a batch, each quantized layer's weight [in, out], and the
+    bytes of this rank's weights (the int8 per-row scales left out, as the planner leaves them out)."""
+    from torch.distributed.tensor import DTensor
+
     from speedllm.infer.engine import generate_ids
 
+    local = [t.to_local() if isinstance(t, DTensor) else t for n, t in model.state_dict().items()
+             if not n.endswith(".scale")]
     weights = {fqn: m.forward(torch.eye(m.in_features)) for fqn, m in model.named_modules()
                if fqn.rsplit(".", 1)[-1] in QUANTIZED and hasattr(m, "in_features")}  # forward: no TP hooks
     return {"logits": model(torch.tensor([PROMPTS[2]])),
             "ids": generate_ids(model, PROMPTS, 12, GREEDY, stop_ids=[], pad_id=0, dtype=torch.float32, tp=tp),
-            "weights": weights}
+            "weights": weights, "bytes": sum(t.numel() * t.element_size() for t in local)}
 
 
 def _rank(rank, port, root):
@@ -86,6 +100,11 @@ def test_tp2_quantized_model_computes_the_single_process_quantized_model(source,
     assert ranks[0]["ids"] == ranks[1]["ids"] == single["ids"]
     for rank in ranks:
         assert rank["weights"].keys() == single["weights"].keys() and len(single["weights"]) == 7 * 2
+    if name != "int8_dyn":
+        cfg = config(root, source, name, 2)
+        OmegaConf.resolve(cfg)  # as the launcher does: model=hf reads config.json through interpolations
+        planned, _ = inference_weight_bytes(cfg.model, cfg.quant, "float32", tp=2)
+        assert ranks[0]["bytes"] == ranks[1]["bytes"] == planned
     diff = (ranks[0]["logits"] - single["logits"]).abs().max()
     if name == "int8_dyn":
         fp32 = outputs(load(root, source, "none", 1), 1)
