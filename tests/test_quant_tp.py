@@ -3,7 +3,7 @@ DCP checkpoint), and the model computes what the single process' quantized model
 
 int8_wo / int4_wo: every quantized layer's weight, as the layer computes with it (its forward on an identity
 matrix), is exactly the matching slice of the single process' (row-parallel int8 scales are all-reduced over
-the ranks; int4 groups lie inside one shard), greedy tokens are identical, and the prefill logits agree within
+the ranks; int4 groups lie inside one shard), greedy tokens are identical, and the prefill logits (and task=evaluate's summed loss) agree within
 fp32 summation order (int8) or the bf16 rounding of the int4 kernel's partial outputs (int4). int8_dyn quantizes
 each shard's rows and activations by itself: tokens identical and the logits nearer the single process' int8_dyn
 than that is to fp32. Each rank holds the weight bytes the planner counts for it. Then the launched task=generate under tp2 writes the single process' rows.
@@ -60,7 +60,9 @@ def outputs(model, tp) -> dict:
              if not n.endswith(".scale")]
     weights = {fqn: m.forward(torch.eye(m.in_features)) for fqn, m in model.named_modules()
                if fqn.rsplit(".", 1)[-1] in QUANTIZED and hasattr(m, "in_features")}  # forward: no TP hooks
-    return {"logits": model(torch.tensor([PROMPTS[2]])),
+    text = torch.tensor([PROMPTS[2] + PROMPTS[0]])
+    ce_sum, _ = model(text[:, :-1], labels=text[:, 1:])  # task=evaluate's loss
+    return {"logits": model(torch.tensor([PROMPTS[2]])), "loss": ce_sum,
             "ids": generate_ids(model, PROMPTS, 12, GREEDY, stop_ids=[], pad_id=0, dtype=torch.float32, tp=tp),
             "weights": weights, "bytes": sum(t.numel() * t.element_size() for t in local)}
 
@@ -106,15 +108,18 @@ def test_tp2_quantized_model_computes_the_single_process_quantized_model(source,
         planned, _ = inference_weight_bytes(cfg.model, cfg.quant, "float32", tp=2)
         assert ranks[0]["bytes"] == ranks[1]["bytes"] == planned
     diff = (ranks[0]["logits"] - single["logits"]).abs().max()
+    loss_diff = abs(ranks[0]["loss"] - single["loss"])
     if name == "int8_dyn":
         fp32 = outputs(load(root, source, "none", 1), 1)
         assert 0 < diff < (single["logits"] - fp32["logits"]).abs().max()
+        assert loss_diff < abs(single["loss"] - fp32["loss"])
         return
     for fqn, weight_DO in single["weights"].items():
         dim = 0 if fqn.endswith(ROWWISE) else 1  # a row-parallel shard holds input features, a column one outputs
         for r, piece in enumerate(weight_DO.chunk(2, dim)):
             assert torch.equal(ranks[r]["weights"][fqn], piece), (fqn, r)
     assert diff <= (1e-5 if name == "int8_wo" else 1e-2 * single["logits"].abs().max())
+    assert loss_diff <= (1e-5 if name == "int8_wo" else 1e-3) * single["loss"]
 
 
 def test_generate_task_under_tp2_with_int4_writes_the_single_process_rows(hf_dir, tmp_path, launch):

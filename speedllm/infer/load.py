@@ -73,19 +73,24 @@ def load_weights(model: nn.Module, cfg: DictConfig) -> None:
 def load_model(cfg: DictConfig, rt: Runtime) -> nn.Module:
     """The inference model of this rank: eval mode, weights loaded, in hardware.dtype, quantized for quant=."""
     from speedllm.models.qwen3 import Qwen3
+    from speedllm.ops.loss import chunked_cross_entropy
+    from speedllm.parallel.tensor import apply_tp, vocab_parallel_output_loss
 
+    adapt = adapter_fn(cfg.finetune)
+    streamed = adapt is None and rt.device.type == "cpu" and int8_tables(cfg.quant.name)
+    # (task=evaluate's loss) under TP the output projection is vocabulary-parallel, unless it is the int8 table
+    # load_quantized keeps whole on every rank
+    vocab_parallel = cfg.parallel.tp > 1 and not streamed
     with torch.device("meta"):
-        model = Qwen3(cfg.model, ops=cfg.hardware.ops)
+        model = Qwen3(cfg.model, ops=cfg.hardware.ops,
+                      output_loss=vocab_parallel_output_loss if vocab_parallel else chunked_cross_entropy)
     model.to(DTYPES[cfg.hardware.dtype])  # still on meta: weights are allocated, and loaded, in this dtype only
     if cfg.parallel.tp > 1:
-        from speedllm.parallel.tensor import apply_tp
-
         # No sequence parallel: a decode step has one token per row, nothing to split along the sequence.
         apply_tp(model, rt.mesh["tp"], sequence_parallel=False)
-    adapt = adapter_fn(cfg.finetune)
     if adapt is not None:
         adapt(model)
-    elif rt.device.type == "cpu" and int8_tables(cfg.quant.name):
+    elif streamed:
         load_quantized(model, cfg, rt.device)
         return model.eval()
     model.to_empty(device=rt.device)
