@@ -77,10 +77,10 @@ def load_model(cfg: DictConfig, rt: Runtime) -> nn.Module:
     from speedllm.parallel.tensor import apply_tp, vocab_parallel_output_loss
 
     adapt = adapter_fn(cfg.finetune)
-    streamed = adapt is None and rt.device.type == "cpu" and int8_tables(cfg.quant.name)
-    # (task=evaluate's loss) under TP the output projection is vocabulary-parallel, unless it is the int8 table
-    # load_quantized keeps whole on every rank
-    vocab_parallel = cfg.parallel.tp > 1 and not streamed
+    tables = rt.device.type == "cpu" and int8_tables(cfg.quant.name)
+    # (task=evaluate's loss) under TP the output projection is vocabulary-parallel, unless it is the int8 table,
+    # which every rank holds whole (speedllm.quant.quantize_embeddings)
+    vocab_parallel = cfg.parallel.tp > 1 and not tables
     with torch.device("meta"):
         model = Qwen3(cfg.model, ops=cfg.hardware.ops,
                       output_loss=vocab_parallel_output_loss if vocab_parallel else chunked_cross_entropy)
@@ -90,7 +90,7 @@ def load_model(cfg: DictConfig, rt: Runtime) -> nn.Module:
         apply_tp(model, rt.mesh["tp"], sequence_parallel=False)
     if adapt is not None:
         adapt(model)
-    elif streamed:
+    elif tables:
         load_quantized(model, cfg, rt.device)
         return model.eval()
     model.to_empty(device=rt.device)
@@ -107,7 +107,8 @@ def load_quantized(model: nn.Module, cfg: DictConfig, device: torch.device) -> N
     """Fill the meta-device model one piece at a time, quantizing each piece as it is read: the embedding (and
     an untied output projection) in blocks of rows, then each layer, then the final norm. The full-precision
     model never exists whole: the peak is the quantized model plus one layer (plus, from a DCP checkpoint,
-    the full-precision embedding table, which DCP reads whole)."""
+    the full-precision embedding table, which DCP reads whole). Under tensor parallelism a rank reads and
+    quantizes only its shards of each layer, and the int8 tables whole (speedllm.quant.quantize_embeddings)."""
     from speedllm.quant.int8 import Int8Embedding, Int8Linear
 
     source = WeightSource(cfg, model.cfg)

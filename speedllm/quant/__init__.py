@@ -70,16 +70,26 @@ def _swap_linears(model: nn.Module, make) -> None:
 def quantize_embeddings(model: nn.Module) -> None:
     """The embedding and output projection of a Qwen3 (or of its pipeline stage) in int8, per row; tied, they
     share one int8 table. At batch-1 decode the output projection is the largest single read (a quarter of
-    qwen3_0.6b's weights)."""
+    qwen3_0.6b's weights).
+
+    Under tensor parallelism every rank holds the whole table, not a vocabulary shard: the int8 table is smaller
+    than the fp32 shard it replaces while tp < 4, one table still serves the tied pair, and no rank has to
+    all-reduce the embedding or all-gather the logits (plain modules, no DTensor hooks).
+    """
+    from torch.distributed.tensor import DTensor
+
     from speedllm.quant.int8 import Int8Embedding, Int8Linear, quantize_int8
+
+    def whole(weight):
+        return weight.full_tensor() if isinstance(weight, DTensor) else weight
 
     embed, head = model.embed_tokens, model.lm_head
     if embed is not None:
-        table = quantize_int8(embed.weight)
+        table = quantize_int8(whole(embed.weight))
         model.embed_tokens = Int8Embedding(*table, embed.weight.dtype)
     if head is not None:
         tied = embed is not None and head.weight is embed.weight
-        model.lm_head = Int8Linear(*table, head.weight.dtype) if tied else Int8Linear.from_linear(head)
+        model.lm_head = Int8Linear(*(table if tied else quantize_int8(whole(head.weight))), head.weight.dtype)
 
 
 @torch.no_grad()
