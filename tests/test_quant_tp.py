@@ -3,12 +3,12 @@ DCP checkpoint), and the model computes what the single process' quantized model
 
 int8_wo / int4_wo: every quantized layer's weight, as the layer computes with it (its forward on an identity
 matrix), is exactly the matching slice of the single process' (row-parallel int8 scales are all-reduced over
-the ranks; int4 groups lie inside one shard), greedy tokens are identical, and the prefill logits (and task=evaluate's summed loss) agree within
-fp32 summation order (int8) or the bf16 rounding of the int4 kernel's partial outputs (int4). int8_dyn quantizes
-each shard's rows and activations by itself: tokens identical and the logits nearer the single process' int8_dyn
-than that is to fp32. Each rank holds the weight bytes the planner counts for it. Then the launched task=generate under tp2 writes the single process' rows.
+the ranks; int4 groups lie inside one shard), greedy tokens are identical, and the prefill logits and
+task=evaluate's summed loss agree within fp32 summation order (int8) or the bf16 rounding of the int4 kernel's
+partial outputs (int4). int8_dyn quantizes each shard's rows and activations by itself: tokens identical, logits
+and loss nearer the single process' int8_dyn than that is to fp32. Each rank holds the weight bytes the planner
+counts for it. Then the launched task=generate under tp2 writes the single process' rows.
 """
-
 import os
 import socket
 
@@ -33,7 +33,8 @@ ROWWISE = ("o_proj", "down_proj")
 def config(root, source, name, tp):
     from speedllm.infer.load import adopt_checkpoint_config
 
-    weights = ["model=hf", f"checkpoint.load_hf={root / 'hf'}"] if source == "hf" else [f"checkpoint.load={root / 'dcp'}"]
+    weights = ([f"checkpoint.load={root / 'dcp'}"] if source == "dcp" else
+               ["model=hf", f"checkpoint.load_hf={root / 'hf'}"])
     cfg = composed("task=generate", "hardware=cpu", f"run_dir={root}", f"quant={name}", "quant.group_size=32",
                    "parallel=tp2" if tp == 2 else "parallel=single", *weights)
     adopt_checkpoint_config(cfg)

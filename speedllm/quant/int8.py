@@ -133,7 +133,7 @@ class Int8Linear(_Int8Rows):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None) -> "Int8Linear":
-        """group: for a row-parallel TP shard, the ranks holding the rest of its rows (see quantize_int8)."""
+        """group: for a row-parallel TP shard, the ranks holding the other columns of its rows (see quantize_int8)."""
         return cls(*quantize_int8(linear.weight, group=group), linear.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
