@@ -12,6 +12,8 @@ tensors used by a grouped matmul, which neither torchao's `quantize_` nor torch'
         int8_dyn  torchao Int8DynamicActivationInt8WeightConfig
         qat_int4  = int4_wo (the scheme it was trained against)
         float8    torchao Float8DynamicActivationFloat8WeightConfig (float8 hardware only)
+    under tensor parallelism each rank quantizes its own shards, with tp=1's numbers for the weight-only schemes
+    (speedllm.parallel.tensor.quantize_tp_linear); the int8 tables are whole on every rank
     training (task=pretrain/sft): prepare_for_training() before FSDP, on the meta-device model
         float8    torchao convert_to_float8_training (tensorwise with FSDP2 float8 all-gather, or rowwise)
         qat_int4  torchao QAT: weights fake-quantized with int4_wo's exact scheme
