@@ -168,6 +168,9 @@ def test_bytes_per_weight_follow_the_stored_format():
     (["quant=int8_wo"],
      "quant=int8_wo quantizes a trained model for inference (task=generate/chat/evaluate/convert); to train for int4 "
      "use quant=qat_int4, else quant=none"),
+    (["task=generate", "quant=int4_wo", "quant.group_size=256", "parallel=tp2"],  # the default model: widths 256, 768
+     "quant.group_size=256 must divide the input width of each tensor-parallel shard under parallel.tp=2 "
+     "(num_attention_heads x head_dim / tp=128, intermediate_size / tp=384); pick a divisor"),
 ])
 def test_quant_refused_before_launch_in_one_line(overrides, message, launch, tmp_path):
     code, out, err = launch(tmp_path, *overrides)

@@ -189,7 +189,7 @@ def check_hf_files(path: str, model_cfg, files: Dict[str, Path]) -> None:
                                     "floating-point type; these are not model weights")
 
 
-def _local_slices(tensor: torch.Tensor) -> Tuple[slice, ...]:
+def local_slices(tensor: torch.Tensor) -> Tuple[slice, ...]:
     """The block of the global tensor this rank holds (all of it for a plain tensor)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -236,7 +236,7 @@ def load_hf_weights(model, path: str) -> None:
                 if is_adapter(name):  # LoRA adapters are not part of the base model
                     continue
                 local = target.to_local() if isinstance(target, DTensor) else target
-                local.copy_(read(name, target.shape, _local_slices(target)))
+                local.copy_(read(name, target.shape, local_slices(target)))
             set_model_state_dict(module, state)
 
 

@@ -240,9 +240,12 @@ def check_quant(cfg: DictConfig) -> None:
             raise UserError(f"quant.group_size={q.group_size} must be one of 32, 64, 128, 256 and divide every layer "
                             f"input width of model {m.name} ({', '.join(f'{k}={v}' for k, v in widths.items())}); "
                             "pick a divisor")
-    if cfg.parallel.tp > 1 and cfg.task.inference:
-        raise UserError(f"quant={q.name} with parallel.tp={cfg.parallel.tp} is not supported yet (the quantized "
-                        "layers are not tensor-parallel); use parallel.tp=1 (int4 fits 8x more weights per device)")
+        # the row-parallel o_proj / down_proj shards hold 1/tp of their input width: whole groups keep tp=1's numbers
+        split = {k: v // cfg.parallel.tp for k, v in widths.items() if k != "hidden_size"}
+        if cfg.parallel.tp > 1 and cfg.task.inference and any(v % q.group_size for v in split.values()):
+            raise UserError(f"quant.group_size={q.group_size} must divide the input width of each tensor-parallel "
+                            f"shard under parallel.tp={cfg.parallel.tp} "
+                            f"({', '.join(f'{k} / tp={v}' for k, v in split.items())}); pick a divisor")
 
 
 def check_finetune(cfg: DictConfig) -> None:

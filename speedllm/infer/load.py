@@ -73,19 +73,24 @@ def load_weights(model: nn.Module, cfg: DictConfig) -> None:
 def load_model(cfg: DictConfig, rt: Runtime) -> nn.Module:
     """The inference model of this rank: eval mode, weights loaded, in hardware.dtype, quantized for quant=."""
     from speedllm.models.qwen3 import Qwen3
+    from speedllm.ops.loss import chunked_cross_entropy
+    from speedllm.parallel.tensor import apply_tp, vocab_parallel_output_loss
 
+    adapt = adapter_fn(cfg.finetune)
+    tables = rt.device.type == "cpu" and int8_tables(cfg.quant.name)
+    # (task=evaluate's loss) under TP the output projection is vocabulary-parallel, unless it is the int8 table,
+    # which every rank holds whole (speedllm.quant.quantize_embeddings)
+    vocab_parallel = cfg.parallel.tp > 1 and not tables
     with torch.device("meta"):
-        model = Qwen3(cfg.model, ops=cfg.hardware.ops)
+        model = Qwen3(cfg.model, ops=cfg.hardware.ops,
+                      output_loss=vocab_parallel_output_loss if vocab_parallel else chunked_cross_entropy)
     model.to(DTYPES[cfg.hardware.dtype])  # still on meta: weights are allocated, and loaded, in this dtype only
     if cfg.parallel.tp > 1:
-        from speedllm.parallel.tensor import apply_tp
-
         # No sequence parallel: a decode step has one token per row, nothing to split along the sequence.
         apply_tp(model, rt.mesh["tp"], sequence_parallel=False)
-    adapt = adapter_fn(cfg.finetune)
     if adapt is not None:
         adapt(model)
-    elif rt.device.type == "cpu" and int8_tables(cfg.quant.name):
+    elif tables:
         load_quantized(model, cfg, rt.device)
         return model.eval()
     model.to_empty(device=rt.device)
@@ -102,7 +107,8 @@ def load_quantized(model: nn.Module, cfg: DictConfig, device: torch.device) -> N
     """Fill the meta-device model one piece at a time, quantizing each piece as it is read: the embedding (and
     an untied output projection) in blocks of rows, then each layer, then the final norm. The full-precision
     model never exists whole: the peak is the quantized model plus one layer (plus, from a DCP checkpoint,
-    the full-precision embedding table, which DCP reads whole)."""
+    the full-precision embedding table, which DCP reads whole). Under tensor parallelism a rank reads and
+    quantizes only its shards of each layer, and the int8 tables whole (speedllm.quant.quantize_embeddings)."""
     from speedllm.quant.int8 import Int8Embedding, Int8Linear
 
     source = WeightSource(cfg, model.cfg)
@@ -151,17 +157,23 @@ class WeightSource:
             check_hf_files(self.hf, model_cfg, self.files)
 
     def read(self, tensors: dict, rows: slice = None) -> None:
-        """Fill {name: tensor} in place (with `rows`: that block of rows of each, from an HF directory)."""
+        """Fill {name: tensor} in place (plain tensors or tensor-parallel DTensors; with `rows`: that block of
+        rows of each plain tensor, from an HF directory)."""
         if self.dcp is not None:
             from speedllm.checkpoint.dcp import dcp_load
 
             return dcp_load({"model": tensors}, self.dcp)
-        from speedllm.checkpoint.hf import hf_reader
+        from torch.distributed.tensor import DTensor
+
+        from speedllm.checkpoint.hf import local_slices, hf_reader
 
         with hf_reader(self.hf, self.model_cfg, self.files) as read:  # closed after each piece: pages unmapped
             for name, target in tensors.items():
-                index = (rows or slice(0, target.shape[0]),) + tuple(slice(0, n) for n in target.shape[1:])
-                target.copy_(read(name, target.shape, index))
+                index = local_slices(target)  # a tensor-parallel shard: only its own block is read
+                if rows is not None:
+                    index = (rows,) + index[1:]
+                local = target.to_local() if isinstance(target, DTensor) else target
+                local.copy_(read(name, target.shape, index))
 
     def fill(self, module: nn.Module, prefix: str) -> None:
         self.read({prefix + name: t for name, t in module.state_dict().items()})

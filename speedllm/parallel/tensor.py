@@ -193,3 +193,32 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> 
     model.tie_embeddings()  # distributed separately above; one tensor again
     for layer in model.layers.values():
         parallelize_module(layer, tp_mesh, layer_plan(sequence_parallel, layer.is_moe))
+
+
+def quantize_tp_linear(linear: nn.Linear, quantize) -> nn.Module:
+    """The quantized layer that replaces a tensor-parallel nn.Linear of an inference model (no sequence
+    parallel), made from this rank's shard alone: `quantize(plain nn.Linear, group)` quantizes it as without TP,
+    `group` being the tensor-parallel group for a row-parallel shard (whose int8 row scales span the ranks) and
+    None for a column-parallel one. The new module is local-tensor TP in place of the DTensor hooks:
+
+    - colwise (weight Shard(0): q/k/v, gate/up) takes the replicated input as a plain tensor and returns its
+      own output features, as ColwiseParallel's local output;
+    - rowwise (weight Shard(1): o/down) takes its own input features and returns the partial product summed
+      over the tensor axis, the all-reduce RowwiseParallel does without sequence parallel.
+    """
+    weight = linear.weight
+    group = weight.device_mesh.get_group()
+    rowwise = weight.placements[0] == Shard(1)
+    shard_OD = weight.to_local()
+    local = nn.Linear(shard_OD.shape[1], shard_OD.shape[0], bias=False, device="meta")
+    local.weight = nn.Parameter(shard_OD, requires_grad=False)
+    module = quantize(local, group if rowwise else None)
+    module.register_forward_pre_hook(lambda m, args: tuple(a.to_local() if isinstance(a, DTensor) else a
+                                                           for a in args))
+    if rowwise:
+        def sum_over_tp(m, args, out):
+            dist.all_reduce(out, group=group)
+            return out
+
+        module.register_forward_hook(sum_over_tp)
+    return module

@@ -450,12 +450,14 @@ def rank_memory(m, layout: Layout, sp: StageParams, pp_rank: int, seq_len: int,
     return mem
 
 
-def inference_weight_bytes(model_cfg, quant, dtype: str) -> Tuple[float, float]:
-    """(bytes of the whole model's weights for inference under `quant`, the same in `dtype`, unquantized).
+def inference_weight_bytes(model_cfg, quant, dtype: str, tp: int = 1) -> Tuple[float, float]:
+    """(bytes of one tensor-parallel rank's weights for inference under `quant`, the same in `dtype`,
+    unquantized); tp=1: the whole model.
 
-    The projections quantization applies to (speedllm.quant.QUANTIZED) take bytes_per_weight of their scheme;
-    the weight-only schemes keep the embedding and output projection in int8 (speedllm.quant.int8_tables);
-    norms, router and experts stay in the compute dtype.
+    The projections quantization applies to (speedllm.quant.QUANTIZED) take bytes_per_weight of their scheme,
+    on their 1/tp shard; the weight-only schemes keep the embedding and output projection in int8
+    (speedllm.quant.int8_tables), whole on every rank (speedllm.infer.load.load_quantized); norms, router and
+    experts stay in the compute dtype.
     """
     from speedllm.quant import QUANTIZED, bytes_per_weight, int8_tables
 
@@ -465,10 +467,10 @@ def inference_weight_bytes(model_cfg, quant, dtype: str) -> Tuple[float, float]:
     total = plain = 0.0
     tensors = [t for kind in mt.layer_kind for t in mt.layer_kinds[kind]] + list(mt.embed) + list(mt.head)
     for t in tensors:
-        numel = math.prod(t.shape)
+        numel = math.prod(local_shape(t, tp, 1, 1))
         module = t.name.rsplit(".", 2)[-2]
         if int8_tables(quant.name) and module in ("embed_tokens", "lm_head"):
-            total += numel * 1.0
+            total += math.prod(t.shape) * 1.0
         else:
             total += numel * (per_weight if not t.expert and module in QUANTIZED else e)
         plain += numel * e

@@ -104,9 +104,11 @@ def run(cfg: DictConfig, rt) -> None:
     if cfg.quant.name != "none":
         from speedllm.planner.memory import GIB, inference_weight_bytes
 
-        quantized, plain = inference_weight_bytes(cfg.model, cfg.quant, cfg.hardware.dtype)
+        tp = cfg.parallel.tp
+        quantized, plain = inference_weight_bytes(cfg.model, cfg.quant, cfg.hardware.dtype, tp)
         print(f"inference weights with quant={cfg.quant.name}: {quantized / GIB:.2f} GiB "
-              f"({quantized / plain:.2f}x of {plain / GIB:.2f} GiB in {cfg.hardware.dtype})")
+              f"({quantized / plain:.2f}x of {plain / GIB:.2f} GiB in {cfg.hardware.dtype})"
+              + (f" per rank of parallel.tp={tp}" if tp > 1 else ""))
     if cfg.finetune.name != "full":
         from speedllm.finetune.base import base_bytes
         from speedllm.planner.memory import GIB

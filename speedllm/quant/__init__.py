@@ -12,6 +12,8 @@ tensors used by a grouped matmul, which neither torchao's `quantize_` nor torch'
         int8_dyn  torchao Int8DynamicActivationInt8WeightConfig
         qat_int4  = int4_wo (the scheme it was trained against)
         float8    torchao Float8DynamicActivationFloat8WeightConfig (float8 hardware only)
+    under tensor parallelism each rank quantizes its own shards, with tp=1's numbers for the weight-only schemes
+    (speedllm.parallel.tensor.quantize_tp_linear); the int8 tables are whole on every rank
     training (task=pretrain/sft): prepare_for_training() before FSDP, on the meta-device model
         float8    torchao convert_to_float8_training (tensorwise with FSDP2 float8 all-gather, or rowwise)
         qat_int4  torchao QAT: weights fake-quantized with int4_wo's exact scheme
@@ -70,16 +72,26 @@ def _swap_linears(model: nn.Module, make) -> None:
 def quantize_embeddings(model: nn.Module) -> None:
     """The embedding and output projection of a Qwen3 (or of its pipeline stage) in int8, per row; tied, they
     share one int8 table. At batch-1 decode the output projection is the largest single read (a quarter of
-    qwen3_0.6b's weights)."""
+    qwen3_0.6b's weights).
+
+    Under tensor parallelism every rank holds the whole table, not a vocabulary shard: the int8 table is smaller
+    than the fp32 shard it replaces while tp < 4, one table still serves the tied pair, and no rank has to
+    all-reduce the embedding or all-gather the logits (plain modules, no DTensor hooks).
+    """
+    from torch.distributed.tensor import DTensor
+
     from speedllm.quant.int8 import Int8Embedding, Int8Linear, quantize_int8
+
+    def whole(weight):
+        return weight.full_tensor() if isinstance(weight, DTensor) else weight
 
     embed, head = model.embed_tokens, model.lm_head
     if embed is not None:
-        table = quantize_int8(embed.weight)
+        table = quantize_int8(whole(embed.weight))
         model.embed_tokens = Int8Embedding(*table, embed.weight.dtype)
     if head is not None:
         tied = embed is not None and head.weight is embed.weight
-        model.lm_head = Int8Linear(*table, head.weight.dtype) if tied else Int8Linear.from_linear(head)
+        model.lm_head = Int8Linear(*(table if tied else quantize_int8(whole(head.weight))), head.weight.dtype)
 
 
 @torch.no_grad()
@@ -100,20 +112,34 @@ def quantize_for_inference(model: nn.Module, quant) -> nn.Module:
 
 @torch.no_grad()
 def quantize_linears(module: nn.Module, quant) -> None:
-    """Quantize the linear layers of `module` (a model, or one layer of it) that quantization applies to."""
+    """Quantize the linear layers of `module` (a model, or one layer of it) that quantization applies to; under
+    tensor parallelism each rank quantizes its own shards (speedllm.parallel.tensor.quantize_tp_linear)."""
+    from torch.distributed.tensor import DTensor
+
     scheme = inference_scheme(quant.name)
-    if scheme in WEIGHT_ONLY and next(module.parameters()).device.type == "cpu":
-        from speedllm.quant.int4 import Int4Linear
-        from speedllm.quant.int8 import Int8Linear
+    own_kernels = scheme in WEIGHT_ONLY and next(module.parameters()).device.type == "cpu"
 
-        if scheme == "int8_wo":
-            _swap_linears(module, Int8Linear.from_linear)
-        else:
-            _swap_linears(module, lambda linear: Int4Linear.from_linear(linear, quant.group_size))
-        return
-    from torchao.quantization import quantize_
+    def quantize(linear: nn.Linear, group=None) -> nn.Module:
+        if own_kernels:
+            from speedllm.quant.int4 import Int4Linear
+            from speedllm.quant.int8 import Int8Linear
 
-    quantize_(module, torchao_inference_config(scheme, quant), filter_fn=is_quantized)
+            if scheme == "int8_wo":
+                return Int8Linear.from_linear(linear, group)
+            return Int4Linear.from_linear(linear, quant.group_size)
+        from torchao.quantization import quantize_
+
+        quantize_(linear, torchao_inference_config(scheme, quant))  # in place (int8_dyn: row scales per shard)
+        return linear
+
+    def make(linear: nn.Linear) -> nn.Module:
+        if isinstance(linear.weight, DTensor):
+            from speedllm.parallel.tensor import quantize_tp_linear
+
+            return quantize_tp_linear(linear, quantize)
+        return quantize(linear)
+
+    _swap_linears(module, make)
 
 
 def torchao_inference_config(scheme: str, quant):

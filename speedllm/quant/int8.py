@@ -20,22 +20,34 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 KERNEL_SOURCE = Path(__file__).with_name("int8_kernel.c")
 
 
-def quantize_int8(weight_OD: torch.Tensor, block: int = 4096):
+def quantize_int8(weight_OD: torch.Tensor, block: int = 4096, group=None):
     """(q_OD int8, scale_O fp32) of a 2-D weight, by torchao's per-row symmetric rule (`block` rows at a time,
-    so the temporaries stay small next to a vocabulary-sized table)."""
+    so the temporaries stay small next to a vocabulary-sized table).
+
+    group: the process group the weight's columns are split over (a row-parallel TP shard): each row's min and
+    max are all-reduced over it first, so scales and int8 values are those of the whole rows, as without TP.
+    """
     from torchao.quantization import PerRow
     from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
 
     q = torch.empty(weight_OD.shape, dtype=torch.int8, device=weight_OD.device)
     scale = torch.empty(weight_OD.shape[0], dtype=torch.float32, device=weight_OD.device)
     for start in range(0, weight_OD.shape[0], block):
-        t = Int8Tensor.from_hp(weight_OD[start : start + block].detach().float(), granularity=PerRow())
+        rows = weight_OD[start : start + block].detach().float()
+        row_scale = None
+        if group is not None:
+            extremes = torch.stack([-rows.amin(1), rows.amax(1)])
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+            # torchao's scale of a row holding just the whole row's extremes is the whole row's scale
+            row_scale = Int8Tensor.from_hp(torch.stack([-extremes[0], extremes[1]], 1), PerRow()).scale
+        t = Int8Tensor.from_hp(rows, granularity=PerRow(), scale=row_scale)
         q[start : start + block], scale[start : start + block] = t.qdata, t.scale.reshape(-1)
     return q, scale
 
@@ -120,8 +132,9 @@ class Int8Linear(_Int8Rows):
         self.out_features, self.in_features = qweight.shape
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
-        return cls(*quantize_int8(linear.weight), linear.weight.dtype)
+    def from_linear(cls, linear: nn.Linear, group=None) -> "Int8Linear":
+        """group: for a row-parallel TP shard, the ranks holding the other columns of its rows (see quantize_int8)."""
+        return cls(*quantize_int8(linear.weight, group=group), linear.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = int8_wo_mm(x.reshape(-1, self.in_features), self.qweight, self.scale)
