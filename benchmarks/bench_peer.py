@@ -18,14 +18,17 @@ alike; the median and the fastest step are reported. Peak memory: each system ru
 a fresh process, which reports its peak RSS (VmHWM, including ~0.3 GB of Python/torch runtime).
 --decode: greedy decode tokens/s at batch 1 and 8, ours vs transformers' `generate` with its static cache.
 --compile: the step again with torch.compile on the decoder layers (ours: `train.compile`; torchtitan: its
-per-block compile), with the compilation time of the first step beside the compiled speed.
+per-block compile), with the start-up beside the compiled speed: the wall time of the first compiled step of
+each system alone in a fresh process with an empty compile cache.
 """
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -193,11 +196,10 @@ def bench_training(config: str, systems, steps: int, compile_: bool, clock) -> d
     hf = hf_model(config)
     runs = {name: build(name, config, hf) for name in systems}
     max_diff = check_logits({name: model for name, (model, _) in runs.items()}, hf.config.vocab_size)
-    compile_s = {}
     if compile_:
         for name, (model, step) in runs.items():
             compile_layers(name, model)
-            compile_s[name] = timed(step, clock)  # the first step compiles
+            step()  # compiles; the start-up is timed in a fresh process (child)
     times = {name: [] for name in runs}
     for i in range(steps + 1):  # the first round warms up and is not timed
         for name, (_, step) in runs.items():
@@ -208,13 +210,7 @@ def bench_training(config: str, systems, steps: int, compile_: bool, clock) -> d
     result = {"max_logit_diff": max_diff, "systems": {}}
     for name, t in times.items():
         row = {"median_tokens_per_s": BATCH * SEQ / statistics.median(t), "best_tokens_per_s": BATCH * SEQ / min(t)}
-        if compile_:
-            row["compile_s"] = compile_s[name]
-        else:
-            cmd = [sys.executable, __file__, "--memory-child", name, "--configs", config]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-            row["peak_rss_gb"] = json.loads(out.strip().splitlines()[-1])["peak_rss_gb"]
-        result["systems"][name] = row
+        result["systems"][name] = row | child(name, config, compile_)
     return result
 
 
@@ -230,9 +226,24 @@ def profile(config: str, systems, rows: int) -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
 
 
-def memory_child(name: str, config: str) -> None:
-    """Fresh process: two training steps of one system alone; print its peak RSS in GB as JSON."""
-    _, step = build(name, config)
+def child(name: str, config: str, compile_: bool) -> dict:
+    """One system alone in a fresh process with an empty compile cache (run_child): {"peak_rss_gb"}, or with
+    compile_ {"compile_s"}."""
+    cmd = [sys.executable, __file__, "--child", name, "--configs", config] + ["--compile"] * compile_
+    with tempfile.TemporaryDirectory() as cache:
+        env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache}
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run_child(name: str, config: str, compile_: bool) -> None:
+    """Print as JSON the peak RSS in GB of two training steps, or with compile_ the wall time of the first
+    compiled step (compilation, its compiler subprocesses included, plus one step) from a cold cache."""
+    model, step = build(name, config)
+    if compile_:
+        compile_layers(name, model)
+        print(json.dumps({"compile_s": timed(step)}))
+        return
     step()
     step()
     print(json.dumps({"peak_rss_gb": peak_memory_gb(torch.device("cpu"))}))
@@ -243,7 +254,7 @@ def print_training(config: str, result: dict, compile_: bool) -> None:
     print(f"\n{config}: {CONFIGS[config]['vocab_size']} vocab, batch {BATCH}x{SEQ}, fp32, "
           f"{torch.get_num_threads()} threads{', torch.compile' if compile_ else ''}; "
           f"logits equal to transformers' (max |diff| {result['max_logit_diff']:.1e})")
-    extra = "compile s" if compile_ else "peak RSS GB"
+    extra = "compile start-up s" if compile_ else "peak RSS GB"
     print(f"| system | tokens/s (median) | tokens/s (best) | {extra} |\n|---|---|---|---|")
     for name, row in rows.items():
         value = row["compile_s"] if compile_ else row["peak_rss_gb"]
@@ -313,10 +324,10 @@ def main() -> None:
     parser.add_argument("--clock", choices=list(CLOCK), default="wall",
                         help="cpu: this process's CPU time (use with --threads 1 on a machine shared with other jobs)")
     parser.add_argument("--profile", type=int, metavar="ROWS", help="print a profiler table per system instead")
-    parser.add_argument("--memory-child", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.memory_child:
-        memory_child(args.memory_child, args.configs[0])
+    if args.child:
+        run_child(args.child, args.configs[0], args.compile)
         return
     if args.threads:
         torch.set_num_threads(args.threads)
