@@ -28,15 +28,19 @@ from speedllm.paths import ROOT
 from speedllm.runtime import Runtime
 
 
-def train(run_dir: Path, until: int, overrides, *extra) -> Path:
-    """Run launch.py into run_dir (resuming its own latest checkpoint) until step `until`; its checkpoint there."""
+def train(run_dir: Path, until: int, overrides, start: Path = None, *extra) -> Path:
+    """Run launch.py into run_dir until step `until`, from its own latest checkpoint if it has one (an interrupted
+    run), else from `start` (None: from scratch); returns its checkpoint at that step."""
+    from speedllm.checkpoint.dcp import latest_checkpoint
+
     done = run_dir / "checkpoints" / f"step_{until:08d}"
     if not done.is_dir():
-        latest = run_dir / "checkpoints" / "latest"
-        resume = [f"checkpoint.load={run_dir / 'checkpoints'}"] if latest.is_file() else []
-        print(f"training {run_dir.name} to step {until}", flush=True)
+        load = latest_checkpoint(str(run_dir / "checkpoints")) or start
+        at = 0 if load is None else int(load.name.removeprefix("step_"))
+        print(f"training {run_dir.name} from step {at} to step {until}", flush=True)
         subprocess.run([sys.executable, str(ROOT / "launch.py"), f"run_dir={run_dir}", "logging.tensorboard=false",
-                        *overrides, *extra, *resume], check=True, stdout=subprocess.DEVNULL)
+                        *overrides, *extra, f"train.stop_after={until - at}",
+                        *([f"checkpoint.load={load}"] if load else [])], check=True, stdout=subprocess.DEVNULL)
     return done
 
 
@@ -55,8 +59,7 @@ def main() -> None:
     from speedllm.config import compose_config
 
     total = compose_config(*args.overrides).train.steps
-    base = train(args.out / "base", args.from_step, args.overrides, f"train.stop_after={args.from_step}")
-    start = f"checkpoint.load={base}"
+    start = train(args.out / "base", args.from_step, args.overrides)
     runs = {"F": train(args.out / "fp32", total, args.overrides, start),
             "Q": train(args.out / "qat_int4", total, args.overrides, start, "quant=qat_int4",
                        f"quant.group_size={args.group_size}"),
