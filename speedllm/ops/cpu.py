@@ -14,6 +14,7 @@ import functools
 from pathlib import Path
 
 import torch
+from torch import nn
 from torch.autograd.function import once_differentiable
 
 from speedllm.native import load
@@ -44,8 +45,10 @@ def kernels():
 
 
 def _fused(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors: plain (not DTensor or fake) fp32 CPU tensors, outside tracing."""
     return not torch.compiler.is_compiling() and kernels() is not None and all(
-        type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors
+        type(t) in (torch.Tensor, nn.Parameter) and t.device.type == "cpu" and t.dtype == torch.float32
+        for t in tensors
     )
 
 
