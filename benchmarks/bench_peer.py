@@ -6,12 +6,14 @@ The same ~42M-parameter Qwen3 (bench_model's two configs: `vocab_32k`, 8 layers 
 `qwen3_vocab`, qwen3_tiny's layers at the real 151,936 vocabulary), batch 4 x 256, fp32, tied embeddings.
 transformers' random weights are loaded into all systems, and their logits are checked equal before any
 timing. A training step is forward + backward + gradient clipping + AdamW, each system as it ships:
-  ours                   speedllm's Qwen3 with its defaults (loss path, optimizer and clipping of `task=pretrain`)
+  ours                   speedllm's Qwen3 with its defaults (loss path, optimizer and clipping of `task=pretrain`,
+                         op set of `hardware=cpu`: the fused CPU kernels)
   torchtitan             torchtitan 0.3.0's Qwen3 (fused q/k/v, nn.RMSNorm, fused AdamW, its clip_grad_norm_) with
                          plain cross-entropy over the full logits; its flex/varlen attention cannot train on CPU,
                          so its SDPA module stands in
   torchtitan_chunked     the same with its ChunkedLossWrapper recipe (8 chunks)
   transformers           Qwen3ForCausalLM(labels=...) with torch's AdamW (foreach) and clip_grad_norm_
+  ours_reference         ours with the reference op set (what the fused CPU kernels gain; only when asked for)
 torchtitan is an optional dependency (`pip install -e ".[bench]"`); without it its rows are skipped with a
 message. Steps are interleaved (system by system within each step), so load from other processes hits all
 alike; the median and the fastest step are reported. Peak memory: each system runs two training steps alone in
@@ -42,10 +44,12 @@ from speedllm.config.schema import AdamWConfig  # noqa: E402
 from speedllm.models import Qwen3  # noqa: E402
 from speedllm.models.hf_adapter import from_hf_state_dict, hf_config  # noqa: E402
 from speedllm.parallel import ParallelModel, clip_grad_norm  # noqa: E402
+from speedllm.paths import CONF  # noqa: E402
 from speedllm.train.metrics import peak_memory_gb  # noqa: E402
 from speedllm.train.optimizer import build_optimizer  # noqa: E402
 
-SYSTEMS = ("ours", "torchtitan", "torchtitan_chunked", "transformers")
+SYSTEMS = ("ours", "torchtitan", "torchtitan_chunked", "transformers", "ours_reference")
+OPS = OmegaConf.load(CONF / "hardware" / "cpu.yaml").ops  # ours runs the op set `hardware=cpu` runs
 GRAD_CLIP = 1.0
 OPTIM = OmegaConf.structured(AdamWConfig)  # our defaults; the peers get the same lr, betas, eps, decay
 
@@ -110,9 +114,9 @@ def build(name: str, config: str, hf=None):
 
         def clip():
             torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP, foreach=True)
-    elif name == "ours":
+    elif name in ("ours", "ours_reference"):
         cfg = model_cfg(config)
-        model = Qwen3(cfg).train()
+        model = Qwen3(cfg, ops=OPS if name == "ours" else "reference").train()
         model.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg))
         optimizer = build_optimizer(model, OPTIM)
 
@@ -302,7 +306,7 @@ def bench_decode(new_tokens: int, repeats: int, clock) -> list:
     """Decode at batch 1 and 8 on the vocab_32k model, fp32: [(batch, tokens/s by system, same ids)]."""
     cfg = model_cfg("vocab_32k")
     hf = hf_model("vocab_32k").eval()
-    ours = Qwen3(cfg).eval()
+    ours = Qwen3(cfg, ops=OPS).eval()
     ours.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg))
     gen = torch.Generator().manual_seed(1)
     rows = []
@@ -316,7 +320,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=["vocab_32k", "qwen3_vocab"])
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS[:-1]))
     parser.add_argument("--compile", action="store_true", help="also time torch.compile'd steps")
     parser.add_argument("--decode", action="store_true", help="also time greedy decoding against transformers")
     parser.add_argument("--new-tokens", type=int, default=64)

@@ -70,21 +70,21 @@ def _tiny_hf(cfg, seed):
     return (Qwen3MoeForCausalLM if cfg.num_experts else Qwen3ForCausalLM)(hf_config(cfg)).eval()
 
 
-def _hf_pair(seed=0, **overrides):
+def _hf_pair(seed=0, ops="reference", **overrides):
     from speedllm.models.hf_adapter import from_hf_state_dict
     from speedllm.models.qwen3 import Qwen3
 
     cfg = _tiny_model_cfg(**overrides)
     hf = _tiny_hf(cfg, seed)
-    ours = Qwen3(cfg).eval()
+    ours = Qwen3(cfg, ops=ops).eval()
     ours.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg))
     return cfg, hf, ours
 
 
 @pytest.fixture(scope="session")
 def hf_pair():
-    """`hf_pair(seed=0, **overrides) -> (cfg, transformers model, our Qwen3)`: a random tiny transformers model
-    and our model carrying the same weights, both in eval mode."""
+    """`hf_pair(seed=0, ops="reference", **overrides) -> (cfg, transformers model, our Qwen3)`: a random tiny
+    transformers model and our model (on op set `ops`) carrying the same weights, both in eval mode."""
     return _hf_pair
 
 

@@ -76,7 +76,7 @@ def test_model_sizes_match_the_reference_table():
 RULES = [
     (["optim.schedule=step", "task=doctor"], "optim.schedule=step is not one of constant, linear, cosine, wsd; pick one of them"),
     (["hardware=cpu", "hardware.ops=triton", "task=doctor"],
-     "hardware.ops=triton is not one of reference, cuda, npu; pick one of them"),
+     "hardware.ops=triton is not one of reference, cpu, cuda, npu; pick one of them"),
     (["model=qwen3_0.6b", "parallel=tp2", "parallel.tp=3", "parallel.dp=1", "task=doctor"],
      "parallel.tp=3 does not divide num_attention_heads=16 of model qwen3_0.6b; use tp in {1, 2, 4, 8}"),
     (["model=qwen3_0.6b", "parallel=pp2", "parallel.pp=3", "task=doctor"],

@@ -28,9 +28,10 @@ CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("ops", ["reference", "cpu"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_parity_logits_loss_grads(name, hf_pair):
-    cfg, hf, ours = hf_pair(**CONFIGS[name])
+def test_parity_logits_loss_grads(name, ops, hf_pair):
+    cfg, hf, ours = hf_pair(ops=ops, **CONFIGS[name])
     tokens = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
 
     with torch.no_grad():
@@ -199,11 +200,13 @@ def test_model_config_from_hf_reads_transformers4_spelling():
     assert read["rope_theta"] == 5e6 and read["num_experts"] == 16
 
 
+@pytest.mark.parametrize("ops", ["cpu", "cuda"])
 @pytest.mark.parametrize("name", ["dense_untied", "moe_no_norm_topk"])
-def test_cuda_op_set_model_matches_reference(name, hf_pair):
-    """The model on the cuda op set (pure torch, runs on CPU too) gives the reference model's loss and grads."""
+def test_op_set_model_matches_reference(name, ops, hf_pair):
+    """The model on the cpu and cuda op sets (the cuda one is pure torch, runs on CPU too) gives the reference
+    model's loss and grads."""
     cfg, _, ref = hf_pair(**CONFIGS[name])
-    fused = Qwen3(cfg, ops="cuda")
+    fused = Qwen3(cfg, ops=ops)
     fused.load_state_dict(ref.state_dict())
     tokens = torch.randint(0, VOCAB, (2, 16))
     document_ids = torch.tensor([[0] * 6 + [1] * 10, [0] * 16])

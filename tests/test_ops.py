@@ -15,7 +15,7 @@ from speedllm.ops.loss import chunked_cross_entropy
 pytestmark = pytest.mark.numerics
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-IMPLS = ["cuda"] + (["npu"] if importlib.util.find_spec("torch_npu") else [])
+IMPLS = ["cpu", "cuda"] + (["npu"] if importlib.util.find_spec("torch_npu") else [])
 
 
 def check(impl_fn, ref_fn, inputs, atol):
@@ -49,7 +49,7 @@ def test_elementwise_ops_match_reference(impl, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", [impl for impl in IMPLS if impl != "cpu"])  # cpu: bf16 is the reference's
 def test_rms_norm_of_a_bf16_input_with_an_fp32_weight_stays_fused(impl, device):
     """As under bf16 autocast: a mixed-dtype call would fall back to unfused ops (torch warns) on a GPU."""
     x, w = rand(2, 5, 64, device=device).bfloat16(), rand(64, device=device)
@@ -58,6 +58,64 @@ def test_rms_norm_of_a_bf16_input_with_an_fp32_weight_stays_fused(impl, device):
         out = get_ops(impl).rms_norm(x, w, 1e-6)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, reference.rms_norm(x, w, 1e-6).bfloat16())  # bf16 tolerances
+
+
+def fused_and_reference(fn, ref_fn, inputs, grad_of=None):
+    """(outputs, input gradients) of fn and of ref_fn on copies of `inputs`; grad_of: which inputs want one."""
+    grad_of = grad_of or [True] * len(inputs)
+    results = []
+    for f in (fn, ref_fn):
+        xs = [x.detach().clone().requires_grad_(g) for x, g in zip(inputs, grad_of)]
+        out = f(*xs)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+        results.append((out, [x.grad for x in xs]))
+    return results
+
+
+def test_cpu_kernels_match_reference_tightly():
+    """The fused C kernels run (their own autograd nodes) and equal the reference within fp32 reassociation:
+    row widths that are not a multiple of the vector width, fewer rows than threads, an MLP-sized SwiGLU with
+    large gates (sigmoid saturation), a frozen norm weight."""
+    from speedllm.ops import cpu
+
+    assert cpu.kernels() is not None, "cc could not build speedllm/ops/cpu_kernels.c"
+    ops, tight = get_ops("cpu"), dict(rtol=1e-5, atol=1e-6)
+    gen = torch.Generator().manual_seed(0)
+    randn = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    cos, sin = randn(3, 5, 40), randn(3, 5, 40)
+    cases = [
+        ("_RMSNorm", lambda x, w: ops.rms_norm(x, w, 1e-6), lambda x, w: reference.rms_norm(x, w, 1e-6),
+         [randn(3, 5, 4, 40) * 3, randn(40)], None),
+        ("_RMSNorm", lambda x, w: ops.rms_norm(x, w, 1e-6), lambda x, w: reference.rms_norm(x, w, 1e-6),
+         [randn(1, 515), randn(515)], None),
+        ("_RMSNorm", lambda x, w: ops.rms_norm(x, w, 1e-6), lambda x, w: reference.rms_norm(x, w, 1e-6),
+         [randn(7, 64), randn(64)], [True, False]),
+        ("_Rotary", lambda x: ops.rotary(x, cos, sin), lambda x: reference.rotary(x, cos, sin),
+         [randn(3, 5, 4, 40)], None),
+        ("_SwiGLU", ops.swiglu, reference.swiglu, [randn(4, 33, 1537) * 30, randn(4, 33, 1537)], None),
+    ]
+    for node, fn, ref_fn, inputs, grad_of in cases:
+        (out, grads), (ref_out, ref_grads) = fused_and_reference(fn, ref_fn, inputs, grad_of)
+        assert type(out.grad_fn).__name__ == node + "Backward"
+        torch.testing.assert_close(out, ref_out, **tight)
+        for g, ref_g in zip(grads, ref_grads):
+            assert (g is None) == (ref_g is None)
+            if g is not None:
+                torch.testing.assert_close(g, ref_g, **tight)
+        again_out, again_grads = fused_and_reference(fn, ref_fn, inputs, grad_of)[0]
+        assert torch.equal(again_out, out) and all(a is None or torch.equal(a, b) for a, b in zip(again_grads, grads))
+
+
+def test_cpu_op_set_falls_back_to_reference_where_no_kernel_applies():
+    """bf16, a non-contiguous input and cos/sin that want a gradient take the reference path, with its values."""
+    ops = get_ops("cpu")
+    x, w = rand(6, 8, 32).bfloat16(), rand(32).bfloat16()
+    assert ops.rms_norm(x, w, 1e-6).grad_fn is None and torch.equal(ops.rms_norm(x, w, 1e-6),
+                                                                    reference.rms_norm(x, w, 1e-6))
+    check(lambda x, w: ops.rms_norm(x.transpose(0, 1), w, 1e-6),
+          lambda x, w: reference.rms_norm(x.transpose(0, 1), w, 1e-6), [rand(6, 8, 32), rand(32)], 1e-5)
+    check(lambda x, c, s: ops.rotary(x, c, s), reference.rotary, [rand(2, 3, 4, 8), rand(2, 3, 8), rand(2, 3, 8)],
+          1e-5)
 
 
 def attention_cases(device):

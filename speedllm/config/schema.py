@@ -72,7 +72,7 @@ class HardwareConfig:
     name: str = "auto"
     device: str = "cpu"  # cpu | cuda | npu
     backend: str = "gloo"  # gloo | nccl | hccl
-    ops: str = "reference"  # op implementations: reference | cuda | npu
+    ops: str = "reference"  # op implementations: reference | cpu | cuda | npu
     dtype: str = "float32"  # compute dtype (bf16 on GPU/NPU with fp32 master weights)
     memory_gb: float = 16.0  # memory per device
     peak_tflops: Dict[str, float] = field(default_factory=lambda: {"float32": 0.1, "bfloat16": 0.01})

@@ -152,7 +152,7 @@ class Qwen3(nn.Module):
 
     Args:
         cfg: fields of speedllm.config.schema.ModelConfig (DictConfig or dataclass).
-        ops: op set name (reference | cuda | npu), normally the hardware profile's `ops`.
+        ops: op set name (reference | cpu | cuda | npu), normally the hardware profile's `ops`.
         output_loss: (hidden_ND, weight_VD, labels_N, chunk_size, cross_entropy) -> ce_sum, the output
             projection + summed cross-entropy; a layout may need its own (speedllm.parallel.output_loss_for:
             vocabulary-parallel under tensor parallelism) without touching this file.

@@ -1,6 +1,6 @@
 """Op registry: one signature per op, one implementation set per device family.
 
-The hardware profile's `ops` key (reference | cuda | npu) picks the set; model code only calls `ops.<name>(...)`,
+The hardware profile's `ops` key (reference | cpu | cuda | npu) picks the set; model code only calls `ops.<name>(...)`,
 so a device gets its fused kernels without a fork of the model.
 
 Signatures (letters: B batch, S query length, T key length, H query heads, K kv heads, Dh head_dim,
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 
-IMPLEMENTATIONS = ("reference", "cuda", "npu")
+IMPLEMENTATIONS = ("reference", "cpu", "cuda", "npu")
 IGNORE_INDEX = -100  # a label that takes no loss (padding, prompt tokens); the value transformers uses
 
 
@@ -47,7 +47,7 @@ _CACHE = {}
 
 
 def get_ops(name: str) -> Ops:
-    """Return the op set `name` (reference | cuda | npu, validated as hardware.ops); the npu set imports torch_npu
+    """Return the op set `name` (reference | cpu | cuda | npu, validated as hardware.ops); the npu set imports torch_npu
     only here."""
     if name not in _CACHE:
         module = importlib.import_module(f"speedllm.ops.{name}")

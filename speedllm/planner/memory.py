@@ -269,10 +269,13 @@ def saved_bytes_per_element(ops: str, e: int) -> Tuple[int, int, int]:
     reference: RMSNorm keeps an fp32 copy of its input and its normalized output; RoPE multiplies by constant
     tables and keeps nothing; SwiGLU keeps gate, up, silu(gate) and the product. cuda: torch's fused rms_norm
     keeps its input, the rest is eager. npu: npu_rms_norm and npu_rotary_mul keep their input, npu_swiglu the
-    concatenated gate/up and its output.
+    concatenated gate/up and its output. cpu: the fused RMSNorm keeps its input (and 4 bytes a row), RoPE nothing,
+    SwiGLU gate and up (the product is kept by down_proj).
     """
     if ops == "npu":
         return e, e, 3 * e
+    if ops == "cpu":
+        return e, 0, 3 * e
     if ops == "cuda":
         return e, 0, 4 * e
     return 4 + e, 0, 4 * e

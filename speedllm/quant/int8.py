@@ -11,18 +11,14 @@ Letters: N rows (tokens), D in features, O out features, V vocabulary.
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import subprocess
-import tempfile
-import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from speedllm.native import load
 
 KERNEL_SOURCE = Path(__file__).with_name("int8_kernel.c")
 
@@ -52,40 +48,11 @@ def quantize_int8(weight_OD: torch.Tensor, block: int = 4096, group=None):
     return q, scale
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "speedllm" / "kernels"
-
-
-def _cpuinfo() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-
-
 @functools.cache
 def kernel():
     """The compiled int8_wo_mm (ctypes), or None where it cannot be built or has no fast path on this CPU."""
-    # -march=native: the build is for this CPU, so its flags are part of the key (a shared cache never hands an
-    # AVX-512 build to a CPU without it)
-    cpu = next((line for line in _cpuinfo().splitlines() if line.startswith("flags")), platform.processor())
-    key = hashlib.sha256(KERNEL_SOURCE.read_bytes() + cpu.encode()).hexdigest()[:16]
-    library = cache_dir() / f"int8_wo_mm_{key}.so"
-    if not library.exists():
-        library.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=library.parent) as tmp:  # build aside, then rename: atomic
-            built = Path(tmp) / library.name
-            command = [os.environ.get("CC", "cc"), "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
-                       str(KERNEL_SOURCE), "-o", str(built)]
-            try:
-                subprocess.run(command, check=True, capture_output=True)
-            except (OSError, subprocess.CalledProcessError) as e:
-                warnings.warn(f"int8 kernel not built ({' '.join(command)}: {e}); int8 layers use the slower "
-                              "reference matmul")
-                return None
-            built.rename(library)
-    lib = ctypes.CDLL(str(library))
-    if not lib.int8_wo_mm_fast():
+    lib = load(KERNEL_SOURCE)
+    if lib is None or not lib.int8_wo_mm_fast():
         return None
     fn = lib.int8_wo_mm
     fn.restype = None

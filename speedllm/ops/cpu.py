@@ -1,0 +1,142 @@
+"""CPU ops: fused C kernels (cpu_kernels.c) for RMSNorm, SwiGLU and RoPE, forward and backward; the reference
+ops for the rest.
+
+Each fused op does in one pass over memory what the reference does in several torch ops and temporaries, and
+saves less for backward: RMSNorm keeps its input and one fp32 rstd per row, SwiGLU its two inputs (the sigmoid is
+recomputed), RoPE nothing. Same math as `reference`, accumulated in fp32 (only the order of additions differs;
+tests/test_ops.py holds values and gradients against it). A kernel covers plain fp32 CPU tensors; anything else
+(another dtype, a DTensor, tracing by torch.compile, tensors of cos/sin that want a gradient, a machine without a
+C compiler) takes the reference twin.
+"""
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from speedllm.native import load
+from speedllm.ops import reference
+from speedllm.ops.reference import attention, cross_entropy, grouped_mm, varlen_attention
+
+__all__ = ["rms_norm", "rotary", "attention", "varlen_attention", "swiglu", "grouped_mm", "cross_entropy"]
+
+KERNEL_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+_SIGNATURES = {
+    "rms_norm_fwd": [_P] * 4 + [_L, _L, ctypes.c_float, _I],
+    "rms_norm_bwd": [_P] * 7 + [_L, _L, _I],
+    "swiglu_fwd": [_P] * 3 + [_L, _I],
+    "swiglu_bwd": [_P] * 5 + [_L, _I],
+    "rotary": [_P] * 4 + [_L, _L, _L, _I, _I],
+}
+
+
+@functools.cache
+def kernels():
+    """The compiled kernels (ctypes library), or None where they cannot be built."""
+    lib = load(KERNEL_SOURCE)
+    if lib is not None:
+        for name, argtypes in _SIGNATURES.items():
+            getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
+    return lib
+
+
+def _fused(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors: plain (not DTensor or fake) fp32 CPU tensors, outside tracing."""
+    return not torch.compiler.is_compiling() and kernels() is not None and all(
+        type(t) in (torch.Tensor, nn.Parameter) and t.device.type == "cpu" and t.dtype == torch.float32
+        for t in tensors
+    )
+
+
+def _ptr(t: torch.Tensor):
+    return ctypes.c_void_p(t.data_ptr())
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        x = x.contiguous()
+        y, rstd = torch.empty_like(x), torch.empty(x.numel() // x.shape[-1])
+        kernels().rms_norm_fwd(_ptr(x), _ptr(weight), _ptr(y), _ptr(rstd), rstd.numel(), x.shape[-1], eps,
+                               torch.get_num_threads())
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dy, threads = dy.contiguous(), torch.get_num_threads()
+        dx = torch.empty_like(x)
+        dw = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        scratch = torch.empty(threads, weight.numel()) if dw is not None else None
+        kernels().rms_norm_bwd(_ptr(dy), _ptr(x), _ptr(weight), _ptr(rstd), _ptr(dx),
+                               None if dw is None else _ptr(dw), None if dw is None else _ptr(scratch),
+                               rstd.numel(), x.shape[-1], threads)
+        return dx, dw, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not (_fused(x, weight) and weight.is_contiguous() and weight.shape == x.shape[-1:]):
+        return reference.rms_norm(x, weight, eps)
+    return _RMSNorm.apply(x, weight, eps)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        gate, up = gate.contiguous(), up.contiguous()
+        y = torch.empty_like(gate)
+        kernels().swiglu_fwd(_ptr(gate), _ptr(up), _ptr(y), y.numel(), torch.get_num_threads())
+        ctx.save_for_backward(gate, up)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        dy = dy.contiguous()
+        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+        kernels().swiglu_bwd(_ptr(dy), _ptr(gate), _ptr(up), _ptr(dgate), _ptr(dup), dy.numel(),
+                             torch.get_num_threads())
+        return dgate, dup
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if not (_fused(gate, up) and gate.shape == up.shape):
+        return reference.swiglu(gate, up)
+    return _SwiGLU.apply(gate, up)
+
+
+def _rotary(x, cos, sin, backward: bool):
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    B, S, H, Dh = x.shape
+    kernels().rotary(_ptr(x), _ptr(cos), _ptr(sin), _ptr(y), B * S, H, Dh, int(backward), torch.get_num_threads())
+    return y
+
+
+class _Rotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rotary(x, cos, sin, backward=False)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        return _rotary(dy, cos, sin, backward=True), None, None
+
+
+def rotary(x_BSHD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor) -> torch.Tensor:
+    B, S, _, Dh = x_BSHD.shape
+    if not (_fused(x_BSHD, cos_BSD, sin_BSD) and Dh % 2 == 0 and cos_BSD.shape == sin_BSD.shape == (B, S, Dh)
+            and cos_BSD.is_contiguous() and sin_BSD.is_contiguous()
+            and not (cos_BSD.requires_grad or sin_BSD.requires_grad)):
+        return reference.rotary(x_BSHD, cos_BSD, sin_BSD)
+    return _Rotary.apply(x_BSHD, cos_BSD, sin_BSD)
