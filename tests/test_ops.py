@@ -75,7 +75,7 @@ def fused_and_reference(fn, ref_fn, inputs, grad_of=None):
 def test_cpu_kernels_match_reference_tightly():
     """The fused C kernels run (their own autograd nodes) and equal the reference within fp32 reassociation:
     row widths that are not a multiple of the vector width, fewer rows than threads, an MLP-sized SwiGLU with
-    large gates (sigmoid saturation), a frozen norm weight."""
+    large gates (sigmoid saturation), a frozen norm weight; the same values without autograd (inference)."""
     from speedllm.ops import cpu
 
     assert cpu.kernels() is not None, "cc could not build speedllm/ops/cpu_kernels.c"
@@ -104,6 +104,8 @@ def test_cpu_kernels_match_reference_tightly():
                 torch.testing.assert_close(g, ref_g, **tight)
         again_out, again_grads = fused_and_reference(fn, ref_fn, inputs, grad_of)[0]
         assert torch.equal(again_out, out) and all(a is None or torch.equal(a, b) for a, b in zip(again_grads, grads))
+        with torch.no_grad():  # inference calls the kernel without an autograd node: the same values
+            assert torch.equal(fn(*inputs), out)
 
 
 def test_cpu_op_set_falls_back_to_reference_where_no_kernel_applies():

@@ -52,17 +52,34 @@ def _fused(*tensors: torch.Tensor) -> bool:
     )
 
 
+def _threads(numel: int) -> int:
+    """torch's thread count, or one thread for a small tensor (a decode step's rows), where waking the OpenMP
+    team costs more than the work: at 2 threads it cost 13% of qwen3-42M's batch-1 decode speed."""
+    return torch.get_num_threads() if numel >= 1 << 15 else 1
+
+
 def _ptr(t: torch.Tensor):
     return ctypes.c_void_p(t.data_ptr())
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd will want a backward: without one (inference) the kernels are called directly, as
+    autograd.Function's own overhead is most of a decode step's small call."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _rms_norm_fwd(x, weight, eps):
+    x = x.contiguous()
+    y, rstd = torch.empty_like(x), torch.empty(x.numel() // x.shape[-1])
+    kernels().rms_norm_fwd(_ptr(x), _ptr(weight), _ptr(y), _ptr(rstd), rstd.numel(), x.shape[-1], eps,
+                           _threads(x.numel()))
+    return x, y, rstd
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        x = x.contiguous()
-        y, rstd = torch.empty_like(x), torch.empty(x.numel() // x.shape[-1])
-        kernels().rms_norm_fwd(_ptr(x), _ptr(weight), _ptr(y), _ptr(rstd), rstd.numel(), x.shape[-1], eps,
-                               torch.get_num_threads())
+        x, y, rstd = _rms_norm_fwd(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
@@ -70,7 +87,7 @@ class _RMSNorm(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        dy, threads = dy.contiguous(), torch.get_num_threads()
+        dy, threads = dy.contiguous(), _threads(dy.numel())
         dx = torch.empty_like(x)
         dw = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
         scratch = torch.empty(threads, weight.numel()) if dw is not None else None
@@ -83,15 +100,20 @@ class _RMSNorm(torch.autograd.Function):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if not (_fused(x, weight) and weight.is_contiguous() and weight.shape == x.shape[-1:]):
         return reference.rms_norm(x, weight, eps)
-    return _RMSNorm.apply(x, weight, eps)
+    return _RMSNorm.apply(x, weight, eps) if _needs_grad(x, weight) else _rms_norm_fwd(x, weight, eps)[1]
+
+
+def _swiglu_fwd(gate, up):
+    gate, up = gate.contiguous(), up.contiguous()
+    y = torch.empty_like(gate)
+    kernels().swiglu_fwd(_ptr(gate), _ptr(up), _ptr(y), y.numel(), _threads(y.numel()))
+    return gate, up, y
 
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
-        gate, up = gate.contiguous(), up.contiguous()
-        y = torch.empty_like(gate)
-        kernels().swiglu_fwd(_ptr(gate), _ptr(up), _ptr(y), y.numel(), torch.get_num_threads())
+        gate, up, y = _swiglu_fwd(gate, up)
         ctx.save_for_backward(gate, up)
         return y
 
@@ -102,21 +124,21 @@ class _SwiGLU(torch.autograd.Function):
         dy = dy.contiguous()
         dgate, dup = torch.empty_like(gate), torch.empty_like(up)
         kernels().swiglu_bwd(_ptr(dy), _ptr(gate), _ptr(up), _ptr(dgate), _ptr(dup), dy.numel(),
-                             torch.get_num_threads())
+                             _threads(dy.numel()))
         return dgate, dup
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if not (_fused(gate, up) and gate.shape == up.shape):
         return reference.swiglu(gate, up)
-    return _SwiGLU.apply(gate, up)
+    return _SwiGLU.apply(gate, up) if _needs_grad(gate, up) else _swiglu_fwd(gate, up)[2]
 
 
 def _rotary(x, cos, sin, backward: bool):
     x = x.contiguous()
     y = torch.empty_like(x)
     B, S, H, Dh = x.shape
-    kernels().rotary(_ptr(x), _ptr(cos), _ptr(sin), _ptr(y), B * S, H, Dh, int(backward), torch.get_num_threads())
+    kernels().rotary(_ptr(x), _ptr(cos), _ptr(sin), _ptr(y), B * S, H, Dh, int(backward), _threads(x.numel()))
     return y
 
 
@@ -139,4 +161,6 @@ def rotary(x_BSHD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor) -
             and cos_BSD.is_contiguous() and sin_BSD.is_contiguous()
             and not (cos_BSD.requires_grad or sin_BSD.requires_grad)):
         return reference.rotary(x_BSHD, cos_BSD, sin_BSD)
-    return _Rotary.apply(x_BSHD, cos_BSD, sin_BSD)
+    if _needs_grad(x_BSHD):
+        return _Rotary.apply(x_BSHD, cos_BSD, sin_BSD)
+    return _rotary(x_BSHD, cos_BSD, sin_BSD, backward=False)
