@@ -111,7 +111,8 @@ def test_tp2_quantized_model_computes_the_single_process_quantized_model(source,
     if name == "int8_dyn":
         fp32 = outputs(load(root, source, "none", 1), 1)
         assert 0 < diff < (single["logits"] - fp32["logits"]).abs().max()
-        assert loss_diff < abs(single["loss"] - fp32["loss"])
+        # (a summed loss's quantization errors partly cancel, so tp1's own distance from fp32 is no bound for it)
+        assert loss_diff <= 1e-3 * single["loss"]
         return
     cfg = config(root, source, name, 2)
     OmegaConf.resolve(cfg)  # as the launcher does: model=hf reads config.json through interpolations
