@@ -102,7 +102,8 @@ def spawn(world_size: int, root: Path, jobs) -> None:
 def runs(tmp_path_factory):
     """Run directories: the single-process reference (6 steps), every layout (5 steps), the resumed runs."""
     root = tmp_path_factory.mktemp("moe_pp")
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the spawned ranks; restored below, or later tests in this worker inherit it
     evaluate_initial(root / "single_eval.pt", ["parallel=single"])
     train(root / "single", ["parallel=single", "checkpoint.every=5"])
     stop = ["train.stop_after=5"]
@@ -111,6 +112,7 @@ def runs(tmp_path_factory):
     spawn(2, root, [*[(name, [*overrides, *stop]) for name, (world, overrides) in LAYOUTS.items() if world == 2],
                     ("resumed_fsdp2", [*RESUMED["fsdp2"], checkpoint])])
     train(root / "resumed_single", [*RESUMED["single"], checkpoint])
+    torch.set_num_threads(threads)
     return root
 
 

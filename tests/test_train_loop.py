@@ -145,6 +145,8 @@ def test_resume_replaces_the_metrics_of_re_run_steps(tmp_path, capsys):
 
 _TRAINER = textwrap.dedent("""
     import sys
+    import torch
+    torch.set_num_threads({threads})  # the test process's count: its runs are compared bit for bit with this one
     sys.path.insert(0, {tests!r})
     from test_train_loop import config
     from speedllm.runtime import Runtime
@@ -156,7 +158,7 @@ _TRAINER = textwrap.dedent("""
 
 def test_sigterm_saves_a_checkpoint_that_resumes(tmp_path):
     sigtermed, straight_dir = tmp_path / "sigterm", tmp_path / "straight"
-    proc = subprocess.Popen([sys.executable, "-c", _TRAINER.format(tests=str(Path(__file__).parent)), str(sigtermed)])
+    proc = subprocess.Popen([sys.executable, "-c", _TRAINER.format(tests=str(Path(__file__).parent), threads=torch.get_num_threads()), str(sigtermed)])
     try:
         deadline = time.time() + 120
         while not ((sigtermed / "metrics.jsonl").exists() and len(metrics(sigtermed)) >= 3):
