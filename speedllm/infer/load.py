@@ -14,7 +14,7 @@ from torch import nn
 from speedllm.errors import UserError
 from speedllm.finetune.lora import adapter_fn
 from speedllm.hardware import DTYPES
-from speedllm.quant import int8_tables, quantize_for_inference, quantize_linears
+from speedllm.quant import own_cpu_layers, quantize_for_inference, quantize_linears
 from speedllm.runtime import Runtime
 
 
@@ -77,7 +77,7 @@ def load_model(cfg: DictConfig, rt: Runtime) -> nn.Module:
     from speedllm.parallel.tensor import apply_tp, vocab_parallel_output_loss
 
     adapt = adapter_fn(cfg.finetune)
-    tables = rt.device.type == "cpu" and int8_tables(cfg.quant.name)
+    tables = own_cpu_layers(cfg.quant.name, rt.device)
     # (task=evaluate's loss) under TP the output projection is vocabulary-parallel, unless it is the int8 table,
     # which every rank holds whole (speedllm.quant.quantize_embeddings)
     vocab_parallel = cfg.parallel.tp > 1 and not tables

@@ -61,6 +61,12 @@ def int8_tables(name: str) -> bool:
     return inference_scheme(name) in WEIGHT_ONLY
 
 
+def own_cpu_layers(name: str, device: torch.device) -> bool:
+    """Whether quant=name on `device` runs on our own CPU layers (speedllm.quant.int8 / int4 projections and the
+    int8 tables) rather than torchao's: the weight-only schemes on CPUs."""
+    return device.type == "cpu" and int8_tables(name)
+
+
 def _swap_linears(model: nn.Module, make) -> None:
     """Replace every quantized nn.Linear with make(linear) (a new module; the parent's attribute is rebound)."""
     for fqn, module in list(model.named_modules()):
@@ -104,7 +110,7 @@ def quantize_for_inference(model: nn.Module, quant) -> nn.Module:
     scheme = inference_scheme(quant.name)
     if scheme == "none":
         return model
-    if int8_tables(scheme) and next(model.parameters()).device.type == "cpu":
+    if own_cpu_layers(scheme, next(model.parameters()).device):
         quantize_embeddings(model)
     quantize_linears(model, quant)
     return model
@@ -117,7 +123,7 @@ def quantize_linears(module: nn.Module, quant) -> None:
     from torch.distributed.tensor import DTensor
 
     scheme = inference_scheme(quant.name)
-    own_kernels = scheme in WEIGHT_ONLY and next(module.parameters()).device.type == "cpu"
+    own_kernels = own_cpu_layers(scheme, next(module.parameters()).device)
 
     def quantize(linear: nn.Linear, group=None) -> nn.Module:
         if own_kernels:
