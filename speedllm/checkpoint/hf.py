@@ -17,7 +17,8 @@ tensors, so reading through DCP would first build every expert's full tensor und
 them into the stack (a rank of an EP/FSDP layout here reads only its experts' slices), and writing would need
 the unstacking done beforehand plus DCP's consolidation pass to give transformers' shard layout and index.
 The tied lm_head (absent from the files) is a third special case. Reading and writing with `safetensors`
-directly keeps each of these one line, and the bytes equal transformers' `save_pretrained` (tests/test_hf.py).
+directly keeps each of these one line; tensors round-trip bit-exactly and transformers loads the export
+(tests/test_hf.py).
 """
 
 import json
