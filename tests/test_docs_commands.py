@@ -258,7 +258,12 @@ def _run_serve(argv, env, cwd) -> tuple:
     return proc.returncode, out, err
 
 
-@pytest.mark.parametrize("page, number, command", [pytest.param(*c, id=c[2][:110]) for c in COMMANDS])
+# Marked slow (a minute or more of CPU on a loaded 2-core box): benchmarks, servers, lm-eval suites, sweeps, 2 ranks.
+SLOW = re.compile(r"benchmarks|task=serve|evaluate\.tasks|\s-m\s|^torchrun|parallel=(dp2|fsdp2|tp2|pp2|ep2|cp2)\b")
+
+
+@pytest.mark.parametrize("page, number, command", [
+    pytest.param(*c, id=c[2][:110], marks=[pytest.mark.slow] if SLOW.search(c[2]) else []) for c in COMMANDS])
 def test_doc_command_runs(page, number, command, artifacts, tmp_path):
     where = f"{page}:{number}: {command}"
     expected = int(m.group(1)) if (m := re.search(r"#\s*exit (\d+)", command)) else 0
