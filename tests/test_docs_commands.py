@@ -162,6 +162,7 @@ def _make_artifacts(base: Path, save_tiny_hf) -> None:
     for name in ("web", "books"):  # the two data sets of the weighted-blend example
         for suffix in (".bin", ".idx", ".json"):
             shutil.copy(work / "data" / f"corpus{suffix}", work / "data" / f"{name}{suffix}")
+    shutil.rmtree(work / "outputs", ignore_errors=True)
     (work / "my_tasks").mkdir()
     (work / "my_tasks" / "my_task.jsonl").write_text("".join(
         json.dumps({"question": f"{a} + {a}?", "choices": [str(2 * a), str(2 * a + 1)], "answer": 0}) + "\n"
@@ -251,8 +252,8 @@ def _run_serve(argv, env, cwd) -> tuple:
             healthy = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
         except httpx.HTTPError:
             time.sleep(0.5)
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
+    if proc.poll() is None:  # as the docs say a server stops; its ranks follow
+        proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert healthy, f"the server never answered /health\n{out[-2000:]}{err[-3000:]}"
     return proc.returncode, out, err
@@ -288,7 +289,8 @@ def test_doc_command_runs(page, number, command, artifacts, tmp_path):
         return
     extra, mode = _cheap_launch(args, tmp_path) if expected == 0 else ([f"hydra.run.dir={tmp_path / 'rundir'}"], "run")
     argv = [*argv, *extra]
-    cwd = artifacts / "work"
+    cwd = tmp_path / "work"  # each command its own copy: a doc command may write where another reads
+    shutil.copytree(artifacts / "work", cwd)
     if mode == "serve":
         _check(where, *_run_serve(argv, env, cwd), expected)
         return
