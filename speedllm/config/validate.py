@@ -36,7 +36,7 @@ CHOICES = {
     "finetune.name": ("full", "lora", "qlora"),
     "evaluate.split": ("train", "valid", "test"),
 }
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts")
 
 
 def _at_least(low):
@@ -271,6 +271,12 @@ def check_finetune(cfg: DictConfig) -> None:
     if unknown or not ft.targets:
         raise UserError(f"finetune.targets={list(ft.targets)}: {unknown or 'empty'} not adaptable; pick from "
                         f"{', '.join(LORA_TARGETS)}")
+    if "experts" in ft.targets and not cfg.model.num_experts:
+        raise UserError(f"finetune.targets={list(ft.targets)}: model {cfg.model.name} has no experts; leave experts "
+                        "out of finetune.targets or use a MoE model")
+    if "experts" in ft.targets and ft.dropout > 0:
+        raise UserError(f"finetune.dropout={ft.dropout}: LoRA on the experts has no dropout (as PEFT's on parameters,"
+                        " which could not load it); set finetune.dropout=0 or leave experts out of finetune.targets")
     if ft.name == "qlora" and p.dp * p.tp * p.pp * p.cp > 1:
         raise UserError(f"finetune=qlora runs in one process (NF4 base); use parallel=single, or finetune=lora for "
                         f"{p.name}")

@@ -68,8 +68,9 @@ def base_bytes(model_cfg, ft) -> dict:
 
     with torch.device("meta"):
         model = Qwen3(model_cfg)
-    adapted = apply_lora(model, ft.rank, ft.alpha, ft.dropout, ft.targets)
-    quantized = [model.get_submodule(name).weight.numel() for name in adapted] if ft.name == "qlora" else []
+    apply_lora(model, ft.rank, ft.alpha, ft.dropout, ft.targets)
+    adapted = target_linears(model, ft.targets).values()
+    quantized = [linear.weight.numel() for linear in adapted] if ft.name == "qlora" else []
     params = {id(p): p for p in model.parameters()}.values()  # tied weights once
     base = sum(p.numel() for p in params if not p.requires_grad)
     adapters = sum(p.numel() for p in params if p.requires_grad)
