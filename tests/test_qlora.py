@@ -23,18 +23,19 @@ NF4_SIZES = ["model.hidden_size=128", "model.head_dim=64", "model.intermediate_s
 def test_qlora_base_is_nf4_and_trains_like_lora(tmp_path):
     from torchao.quantization import to_nf4
 
-    losses = {}
+    losses, full = {}, {}
     for mode in ("lora", "qlora"):
         cfg = config(tmp_path / mode, *TINY, *NF4_SIZES, *SFT, *LORA, f"finetune={mode}")
         seed_everything(cfg.seed)
         pm = build_model(cfg, Runtime())
-        adapted = target_linears(pm.module, cfg.finetune.targets)
-        full = {name: linear.weight.detach().clone() for name, linear in adapted.items()}
         load_base(pm.parts, cfg, None)
-        if mode == "qlora":
-            for name, linear in target_linears(pm.module, cfg.finetune.targets).items():
+        adapted = target_linears(pm.module, cfg.finetune.targets)
+        if mode == "lora":
+            full = {name: linear.weight.detach().clone() for name, linear in adapted.items()}
+        else:
+            for name, linear in adapted.items():
                 assert type(linear.weight).__name__ == "NF4Tensor" and not linear.weight.requires_grad
-                # the same NF4 as torchao's own quantization of the fp32 weight
+                # the same NF4 as torchao's own quantization of the fp32 weight LoRA's run starts from
                 assert torch.equal(linear.weight.get_original_weight(), to_nf4(full[name]).get_original_weight())
         losses[mode] = steps(pm, cfg, 3)
     assert losses["qlora"][-1] < losses["qlora"][0]

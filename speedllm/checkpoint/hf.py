@@ -26,9 +26,10 @@ from torch import nn
 
 from speedllm.config.schema import ModelConfig
 from speedllm.errors import UserError, reading
-from speedllm.finetune.lora import is_adapter
+from speedllm.finetune.lora import is_adapter, unwrapped
 from speedllm.models.hf_adapter import hf_config, model_config_from_hf, to_hf_state_dict
 from speedllm.outputs import MARKER, make_scratch_dir
+from speedllm.quant.nf4 import fill_nf4_, is_nf4
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -231,13 +232,17 @@ def load_hf_weights(model, path: str) -> None:
     check_hf_files(path, model_cfg, files)
     with hf_reader(path, model_cfg, files) as read:
         for module in modules:
+            # QLoRA's NF4 base: quantized from the whole tensor, as in one process (speedllm.quant.nf4)
+            nf4 = {unwrapped(name): p for name, p in module.named_parameters() if is_nf4(p)}
+            for name, param in nf4.items():
+                fill_nf4_(param, read(name, param.shape, tuple(slice(0, n) for n in param.shape)))
             state = get_model_state_dict(module)
             for name, target in state.items():
-                if is_adapter(name):  # LoRA adapters are not part of the base model
+                if is_adapter(name) or name in nf4:  # LoRA adapters are not part of the base model
                     continue
                 local = target.to_local() if isinstance(target, DTensor) else target
                 local.copy_(read(name, target.shape, local_slices(target)))
-            set_model_state_dict(module, state)
+            set_model_state_dict(module, {k: v for k, v in state.items() if k not in nf4})
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""The frozen base of an adapter run: where it comes from, loading it, and holding it in 4-bit (QLoRA).
+"""The frozen base of an adapter run: where it comes from and loading it (QLoRA's NF4 base: speedllm.quant.nf4).
 
 The base is an HF directory (checkpoint.load_hf) or a DCP checkpoint without adapters (checkpoint.load naming
 a full-weights checkpoint, e.g. one task=convert convert.to=dcp wrote). An adapter run's own checkpoints hold
@@ -15,7 +15,8 @@ from torch import nn
 
 from speedllm.checkpoint.dcp import dcp_load, read_metadata, read_saved_config, resolve_load
 from speedllm.errors import UserError
-from speedllm.finetune.lora import is_adapter, target_linears
+from speedllm.finetune.lora import is_adapter, target_linears, unwrapped
+from speedllm.quant.nf4 import NF4_BYTES, fill_nf4_, is_nf4
 
 
 def holds_adapters(ckpt: Path) -> bool:
@@ -49,15 +50,14 @@ def load_dcp_base(modules: List[nn.Module], ckpt: Path) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     for module in modules:
-        state = {k: v for k, v in get_model_state_dict(module).items() if not is_adapter(k)}
-        dcp_load({"model": state}, ckpt)
+        # QLoRA's NF4 base: read whole, quantized as in one process (speedllm.quant.nf4)
+        nf4 = {unwrapped(name): p for name, p in module.named_parameters() if is_nf4(p)}
+        full = {name: torch.empty(p.shape) for name, p in nf4.items()}
+        state = {k: v for k, v in get_model_state_dict(module).items() if not is_adapter(k) and k not in nf4}
+        dcp_load({"model": {**state, **full}}, ckpt)
         set_model_state_dict(module, state, options=StateDictOptions(strict=False))
-
-
-# torchao's NF4 (to_nf4 defaults): a 4-bit code per weight, an int8 scaler per block of 64 weights, an fp32
-# factor per 256 scalers (double quantization), and one fp32 scaler mean per tensor
-NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
-NF4_BYTES = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_SCALER_BLOCK)
+        for name, param in nf4.items():
+            fill_nf4_(param, full[name])
 
 
 def base_bytes(model_cfg, ft) -> dict:
@@ -77,18 +77,6 @@ def base_bytes(model_cfg, ft) -> dict:
     nf4_bytes = sum(quantized) * NF4_BYTES + 4 * len(quantized)
     return {"base_params": base, "base_bytes": (base - sum(quantized)) * 4 + nf4_bytes,
             "adapter_params": adapters}
-
-
-def quantize_base(modules: List[nn.Module], targets) -> None:
-    """QLoRA: the adapted projections' frozen weights become NF4 (torchao), 4 bits per weight + block scales."""
-    from torchao.quantization import to_nf4
-
-    for module in modules:
-        for name, linear in target_linears(module, targets).items():
-            if linear.weight.numel() % (NF4_BLOCK * NF4_SCALER_BLOCK):
-                raise UserError(f"finetune=qlora: {name}.weight has {linear.weight.numel()} weights, but NF4 needs a "
-                                f"multiple of {NF4_BLOCK * NF4_SCALER_BLOCK}; use finetune=lora for this model")
-            linear.weight = nn.Parameter(to_nf4(linear.weight.detach()), requires_grad=False)
 
 
 def load_base(modules: List[nn.Module], cfg, resume_from: Optional[Path]) -> Optional[Path]:
@@ -114,6 +102,4 @@ def load_base(modules: List[nn.Module], cfg, resume_from: Optional[Path]) -> Opt
         from speedllm.finetune.peft import load_peft_adapter
 
         load_peft_adapter(modules, ft.adapter, ft)
-    if ft.name == "qlora":
-        quantize_base(modules, ft.targets)
     return resume_from

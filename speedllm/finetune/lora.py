@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from speedllm.quant.nf4 import is_nf4, nf4_placeholders
+
 _ENABLED = ContextVar("lora_enabled", default=True)
 
 
@@ -158,9 +160,11 @@ def _adapter_linear(in_features: int, out_features: int, weight: torch.Tensor, p
     return linear
 
 
-def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, targets: Iterable[str]) -> List[str]:
+def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, targets: Iterable[str],
+               nf4: bool = False) -> List[str]:
     """Freeze every parameter of `model` (a Qwen3 or a pipeline stage, on the meta device, after TP) and add
-    adapters to the targeted Linears. Returns the adapted module names."""
+    adapters to the targeted Linears (and experts); `nf4` (QLoRA) makes the targeted Linears' weights NF4
+    placeholders (speedllm.quant.nf4) that loading fills. Returns the adapted module names."""
     for param in model.parameters():
         param.requires_grad_(False)
     adapted = target_linears(model, targets)
@@ -177,6 +181,8 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target
     for module in experts.values():
         if module.adapter is None:
             module.adapter = ExpertLoRA(module, rank, alpha / rank)
+    if nf4:
+        nf4_placeholders({name: module for name, module in adapted.items() if not is_nf4(module.weight)})
     return sorted(adapted) + sorted(experts)
 
 
@@ -236,4 +242,5 @@ def adapter_fn(ft) -> Optional[Callable[[nn.Module], List[str]]]:
     """What parallelize applies to each model part for finetune=lora|qlora (None for full fine-tuning)."""
     if ft.name == "full":
         return None
-    return partial(apply_lora, rank=ft.rank, alpha=ft.alpha, dropout=ft.dropout, targets=list(ft.targets))
+    return partial(apply_lora, rank=ft.rank, alpha=ft.alpha, dropout=ft.dropout, targets=list(ft.targets),
+                   nf4=ft.name == "qlora")
