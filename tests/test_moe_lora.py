@@ -15,10 +15,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from speedllm.adapters.lora import apply_lora
+from speedllm.checkpoint.adapters import read_adapters
 from speedllm.config import compose_config
-from speedllm.config.schema import ModelConfig
-from speedllm.finetune.export import read_adapters
-from speedllm.finetune.lora import apply_lora
+from speedllm.models.config import ModelConfig
 from speedllm.models.qwen3 import Qwen3
 from speedllm.paths import CONF
 from speedllm.runtime import Runtime
@@ -78,7 +78,8 @@ def test_peft_export_and_merged_export_give_our_logits(launch, trained, hf_dir, 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from speedllm.infer.load import adopt_checkpoint_config, load_model
+    from speedllm.config.resolve import adopt_checkpoint_config
+    from speedllm.generation.load import load_model
 
     ckpt, _ = trained
     for name, extra in (("peft", ["convert.to=peft"]), ("merged", ["convert.to=hf", "convert.merge_lora=true"])):
@@ -132,8 +133,8 @@ def test_peft_made_expert_adapter_loads_with_peft_logits_and_a_partial_one_is_re
     from transformers import AutoModelForCausalLM
 
     from speedllm.errors import UserError
-    from speedllm.finetune.base import load_base
-    from speedllm.train.loop import build_model
+    from speedllm.checkpoint.adapters import load_base
+    from speedllm.train.build import build_model
 
     def saved(name, parameters):
         base = AutoModelForCausalLM.from_pretrained(hf_dir).eval()

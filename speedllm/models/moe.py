@@ -20,7 +20,7 @@ class Experts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.up_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        # LoRA adapters on these weights, attached from outside (speedllm.finetune.lora.ExpertLoRA); None: none
+        # LoRA adapters on these weights, attached from outside (speedllm.adapters.lora.ExpertLoRA); None: none
         self.adapter = None
 
     def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor, ops: Ops) -> torch.Tensor:
