@@ -27,8 +27,6 @@ from speedllm.errors import UserError
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model.model."
-
-
 TARGET_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 _WRAPPER = {"gate_up": "experts.base_layer", "down": "experts"}  # our fused name -> PEFT's module
 _OURS = re.compile(r"^(layers\.\d+\.mlp)\.experts\.adapter\.(lora_[AB])\.(gate_up|down)$")
@@ -61,9 +59,11 @@ def from_peft_tensor(name: str, tensor: torch.Tensor, num_experts: int) -> torch
     """PEFT's tensor as ours (`name`: ours); one that does not split into `num_experts` stays as it is."""
     if _OURS.match(name) is None or tensor.ndim != 2:
         return tensor
-    if ".lora_A." in name:
+    if ".lora_A." in name:  # [E·r, in] -> [E, r, in]
         return tensor if tensor.shape[0] % num_experts else tensor.reshape(num_experts, -1, tensor.shape[-1])
-    return tensor if tensor.shape[1] % num_experts else tensor.reshape(tensor.shape[0], -1, num_experts).permute(2, 0, 1)
+    if tensor.shape[1] % num_experts:
+        return tensor
+    return tensor.reshape(tensor.shape[0], -1, num_experts).permute(2, 0, 1)  # [out, r·E] -> [E, out, r]
 
 
 def adapter_config(ft, targets: List[str], base: Optional[str]) -> dict:
@@ -86,10 +86,9 @@ def write_peft_dir(out: str, ft, tensors: Dict[str, torch.Tensor], base: Optiona
     tmp.mkdir(parents=True)
     save_file(dict(to_peft(k, v.detach().to("cpu").contiguous()) for k, v in tensors.items()),
               str(tmp / WEIGHTS), metadata={"format": "pt"})
-    # the names that were adapted, not finetune.targets: on a MoE model peft would map gate/up/down_proj to the
-    # experts' fused weights, which are adapted through target_parameters (or not at all)
+    # the module names that were adapted (layers.0.self_attn.q_proj.lora_A.weight), not finetune.targets: on a
+    # MoE model peft would map gate/up/down_proj to the experts' fused weights, adapted by target_parameters
     dense = [name for name in tensors if _OURS.match(name) is None]
-    # layers.0.self_attn.q_proj.lora_A.weight
     config = adapter_config(ft, sorted({name.split(".")[-3] for name in dense}), base)
     if len(dense) < len(tensors):
         config["target_parameters"] = TARGET_PARAMETERS

@@ -41,7 +41,7 @@ def fill_nf4_(param: torch.Tensor, full: torch.Tensor) -> None:
     """Give NF4 placeholder `param` (plain, or FSDP2's Shard(0) DTensor) the NF4 of the whole fp32 tensor `full`."""
     from torchao.quantization import to_nf4
 
-    nf4 = to_nf4(full.to(torch.float32).contiguous())
+    nf4 = to_nf4(full.to(param.dtype).contiguous())
     local = param
     if isinstance(param, DTensor):
         mesh, local = param.device_mesh, param._local_tensor  # to_local() would give a new NF4 object
