@@ -28,6 +28,7 @@ from speedllm.generation.batching import Batcher, QueueFull, Request, new_slot_c
 from speedllm.generation.engine import Detokenizer
 from speedllm.generation.load import DTYPES, load_model
 from speedllm.generation.sampling import Sampling
+from speedllm.models.rope import max_positions
 from speedllm.runtime import Runtime
 
 MAX_STOPS = 4  # OpenAI's limit on stop strings
@@ -302,7 +303,7 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
     except ImportError:
         raise UserError("task=serve needs FastAPI and uvicorn: pip install -e '.[serve]'") from None
     model = load_model(cfg, rt)
-    max_len = min(s.max_len, cfg.model.max_position_embeddings)
+    max_len = min(s.max_len, max_positions(cfg.model))
     dtype, tp = DTYPES[cfg.hardware.dtype], cfg.parallel.tp
     if not rt.is_main:
         # SIGTERM/SIGINT reach every rank; these follow rank 0, which stops them once its server is down.
