@@ -22,6 +22,7 @@ from test_generate import DEMO_TOKENIZER, hf_greedy, stop_ids
 from speedllm.paths import ROOT
 from speedllm.data.tokenizer import load_tokenizer
 from speedllm.infer.batching import Batcher
+from speedllm.infer.openai_schema import CompletionRequest
 from speedllm.infer.serve import ApiError, Server, build_app
 
 MODEL_ID = "tiny-qwen3"
@@ -199,7 +200,7 @@ def test_a_full_queue_answers_503(hf_pair):
     server = Server(batcher, tok, MODEL_ID, 32, None, False)
 
     async def submit_three():
-        body = {"prompt": "ROMEO:", "max_tokens": 4, "stream": True}
+        body = CompletionRequest(prompt="ROMEO:", max_tokens=4, stream=True)
         await server.respond(body, chat=False)
         await server.respond(body, chat=False)
         with pytest.raises(ApiError) as e:
@@ -217,7 +218,7 @@ def test_api_key_is_required_when_set(hf_pair):
     tok = load_tokenizer(str(DEMO_TOKENIZER))
     _, _, ours = hf_pair(seed=1, vocab_size=len(tok))
     batcher = Batcher(ours, tok, stop_ids(tok), max_batch=1, max_len=32, max_queue=2, dtype=torch.float32)
-    http = TestClient(build_app(Server(batcher, tok, MODEL_ID, 32, "s3cret", False)))
+    http = TestClient(build_app(Server(batcher, tok, MODEL_ID, 32, "s3cret", False), max_body_bytes=4096))
     response = http.get("/v1/models")
     assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
     response = http.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
