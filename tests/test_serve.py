@@ -25,6 +25,8 @@ from speedllm.infer.batching import Batcher
 from speedllm.infer.openai_schema import CompletionRequest
 from speedllm.infer.serve import ApiError, Server, build_app
 
+pytestmark = pytest.mark.numerics
+
 MODEL_ID = "tiny-qwen3"
 
 

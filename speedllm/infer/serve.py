@@ -128,7 +128,9 @@ class Server:
                     n=req.n, seed=req.seed, stop=req.stops)
 
     def encode(self, text: str) -> List[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        # verbose=False: a prompt longer than the tokenizer's model_max_length is the client's, answered with a
+        # 400 (context_length_exceeded), not a warning in the server's log
+        return self.tokenizer.encode(text, add_special_tokens=False, verbose=False)
 
     def chat_prompt(self, req) -> List[int]:
         from jinja2 import TemplateError
