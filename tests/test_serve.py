@@ -19,11 +19,11 @@ import pytest
 import torch
 from test_generate import DEMO_TOKENIZER, hf_greedy, stop_ids
 
-from speedllm.paths import ROOT
 from speedllm.data.tokenizer import load_tokenizer
-from speedllm.infer.batching import Batcher
-from speedllm.infer.openai_schema import CompletionRequest
-from speedllm.infer.serve import ApiError, Server, build_app
+from speedllm.generation.batching import Batcher
+from speedllm.generation.openai_schema import CompletionRequest
+from speedllm.paths import ROOT
+from speedllm.tasks.serve import ApiError, Server, build_app
 
 pytestmark = pytest.mark.numerics
 

@@ -5,10 +5,10 @@
 
 /v1/chat/completions (the tokenizer's chat template; Qwen3's thinking switch as vLLM's
 `chat_template_kwargs: {"enable_thinking": …}`), /v1/completions, /v1/models, /health; `stream: true` sends
-server-sent events. Every request is checked at the edge (speedllm.infer.openai_schema, then what depends on
+server-sent events. Every request is checked at the edge (speedllm.generation.openai_schema, then what depends on
 the model): whatever a client sends, its mistake gets a 4xx with OpenAI's error JSON, never a 5xx (limits in
 docs/serve-hardening.md). Under tensor parallelism rank 0 serves HTTP and schedules; every step goes to the other
-ranks (speedllm.infer.batching).
+ranks (speedllm.generation.batching).
 """
 
 import asyncio
@@ -25,11 +25,12 @@ from typing import AsyncIterator, List, Optional
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from speedllm.data.tokenizer import stop_ids_of, tokenizer_for
 from speedllm.errors import UserError
-from speedllm.infer.batching import Batcher, QueueFull, Request, new_slot_cache, serve_steps
-from speedllm.infer.engine import StopStrings
-from speedllm.infer.load import DTYPES, load_model, load_tokenizer, stop_ids_of
-from speedllm.infer.sampling import Sampling
+from speedllm.generation.batching import Batcher, QueueFull, Request, new_slot_cache, serve_steps
+from speedllm.generation.engine import Detokenizer
+from speedllm.generation.load import DTYPES, load_model
+from speedllm.generation.sampling import Sampling
 from speedllm.runtime import Runtime
 
 
@@ -45,46 +46,6 @@ class ApiError(Exception):
         if self.status == 401:
             kind = "authentication_error"
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-
-
-class Detokenizer:
-    """A growing completion's text, released in final pieces: never a partial UTF-8 character, never the
-    start of what may become a stop string; the text ends before the first stop string."""
-
-    def __init__(self, tokenizer, stop_ids, stops: List[str]):
-        self.tokenizer, self.skip = tokenizer, set(stop_ids)
-        self.stops = StopStrings(tokenizer, stops) if stops else None
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.ids: List[int] = []
-        self.sent = 0
-
-    def text(self) -> str:
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        return self.stops.cut(text) if self.stops else text
-
-    def add(self, token: int) -> str:
-        """The new final text after `token`."""
-        if token in self.skip:
-            return ""
-        self.ids.append(token)
-        text = self.text()
-        end = len(text) - self.hold
-        while end > self.sent and text[end - 1] == "\ufffd":
-            end -= 1
-        piece = text[self.sent:end] if end > self.sent else ""
-        self.sent += len(piece)
-        return piece
-
-    def extend(self, ids: List[int]) -> "Detokenizer":
-        """Take tokens without releasing text (for a response sent whole)."""
-        self.ids += [t for t in ids if t not in self.skip]
-        return self
-
-    def finish(self) -> str:
-        """What is left once the completion has ended."""
-        piece = self.text()[self.sent:]
-        self.sent += len(piece)
-        return piece
 
 
 class Server:
@@ -185,7 +146,7 @@ class Server:
                 "total_tokens": len(prompt_ids) + completion}
 
     async def respond(self, req, chat: bool):
-        """The JSON response to a parsed request (speedllm.infer.openai_schema), or an async iterator of
+        """The JSON response to a parsed request (speedllm.generation.openai_schema), or an async iterator of
         server-sent events when req.stream."""
         self.check_model(req)
         # off the event loop: a long prompt takes seconds to tokenize (the tokenizer releases the GIL)
@@ -298,12 +259,13 @@ async def until_disconnected(request) -> None:
 
 def build_app(server: Server, max_body_bytes: int):
     """The FastAPI application of `server`; request bodies up to `max_body_bytes`."""
-    from fastapi import FastAPI, Request as HttpRequest
+    from fastapi import FastAPI
+    from fastapi import Request as HttpRequest
     from fastapi.responses import JSONResponse, StreamingResponse
     from pydantic import ValidationError
     from starlette.exceptions import HTTPException
 
-    from speedllm.infer.openai_schema import ChatRequest, CompletionRequest
+    from speedllm.generation.openai_schema import ChatRequest, CompletionRequest
 
     app = FastAPI(title="SpeedLLM", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -430,7 +392,7 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
         with handle_signals(lambda: None):
             serve_steps(model, new_slot_cache(model.cfg, s.max_batch, max_len, dtype, rt.device, tp))
         return
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = tokenizer_for(cfg)
     batcher = Batcher(model, tokenizer, stop_ids_of(tokenizer), s.max_batch, max_len, s.max_queue, dtype, tp,
                       broadcast=dist.is_initialized())
     thread = threading.Thread(target=batcher.run, name="batcher", daemon=True)
