@@ -128,10 +128,13 @@ def assert_openai_error(response: httpx.Response, status: int, param=None) -> di
     return error
 
 
-def raw_request(port: int, data: bytes) -> tuple:
-    """(status, body) of a request sent as raw bytes ending with `Connection: close`."""
+def raw_request(port: int, *parts: bytes) -> tuple:
+    """(status, body) of the first answer to raw bytes sent in `parts`, 0.3 s apart, on a connection the server
+    closes (`Connection: close`, or an answer to bytes that are not HTTP)."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(data)
+        for i, part in enumerate(parts):
+            time.sleep(0.3 * (i > 0))
+            s.sendall(part)
         answer = b""
         while chunk := s.recv(65536):
             answer += chunk
@@ -198,8 +201,12 @@ def test_hostile_clients_get_4xx_and_others_their_unchanged_answers(tmp_path, sa
         status, content = raw_request(port, f"POST {P} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
                                             f"Content-Length: {10**12}\r\nConnection: close\r\n\r\n".encode())
         assert status == 413 and json.loads(content)["error"]["code"] == "request_too_large"
-        status, _ = raw_request(port, b"NOT HTTP AT ALL\r\n\r\n")  # no request to answer in JSON: uvicorn's 400
-        assert status == 400
+        post = f"POST {P} HTTP/1.1\r\nHost: x\r\n".encode()
+        chunked, bad_chunk = post + b"Transfer-Encoding: chunked\r\n\r\n", b"ZZ\r\nabc\r\n"
+        for garbage in [[b"NOT HTTP AT ALL\r\n\r\n"], [post + b"Content-Length: abc\r\n\r\n"],
+                        [chunked + bad_chunk]]:  # the app starts on the head (to answer 401) as uvicorn answers 400
+            assert raw_request(port, *garbage)[0] == 400  # not HTTP: no request to answer in JSON, uvicorn's 400
+        assert raw_request(port, chunked, bad_chunk)[0] == 401  # the app answered the head before the bad chunk
 
         # --- stalled and trickling clients: others are served meanwhile; each is cut off at serve.read_timeout
         stalled = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]

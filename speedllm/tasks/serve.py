@@ -327,7 +327,9 @@ def build_app(server: Server, max_body_bytes: int):
 def with_read_deadline(seconds: float):
     """uvicorn's h11 protocol, where a client must send each whole request (head and body) within `seconds` of
     connecting or of its previous answer, else its connection is closed. uvicorn sets no such limit: a client
-    that stalls half-way through a request would hold its connection open forever."""
+    that stalls half-way through a request would hold its connection open forever. Also mends uvicorn's answer
+    to a request that turns malformed after a good head (a bad chunk), which raised in h11 (a traceback in the
+    log) whenever the application had answered or was about to answer that head."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -362,6 +364,14 @@ def with_read_deadline(seconds: float):
         def expire(self) -> None:
             self.deadline = None
             if self.receiving():
+                self.transport.close()
+
+        def send_400_response(self, msg: str) -> None:
+            if self.cycle is not None:  # the application's answer to the head now goes nowhere, not into h11
+                self.cycle.disconnected = True
+            if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):  # no answer begun: uvicorn's plain 400
+                super().send_400_response(msg)
+            else:
                 self.transport.close()
 
     return DeadlineH11Protocol
