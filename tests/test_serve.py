@@ -249,3 +249,17 @@ def test_tp2_serves_the_single_process_answers_and_stops_on_sigterm(hf_dir):
         while session_alive(proc.pid) and time.time() - start < 30:
             time.sleep(0.2)
         assert not session_alive(proc.pid) and time.time() - start < 15
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400(hf_pair):
+    """A model's own template may raise on a conversation it does not take (e.g. no user turn): the client's 400."""
+    from fastapi.testclient import TestClient
+
+    tok = load_tokenizer(str(DEMO_TOKENIZER))
+    tok.chat_template = "{% if messages[-1].role != 'user' %}{{ raise_exception('No user query found') }}{% endif %}"
+    _, _, ours = hf_pair(seed=1, vocab_size=len(tok))
+    batcher = Batcher(ours, tok, stop_ids(tok), max_batch=1, max_len=32, max_queue=2, dtype=torch.float32)
+    http = TestClient(build_app(Server(batcher, tok, MODEL_ID, 32, None, False), max_body_bytes=4096))
+    response = http.post("/v1/chat/completions", json={"messages": [{"role": "system", "content": "be brief"}]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    assert "No user query found" in response.json()["error"]["message"]
