@@ -231,7 +231,7 @@ def load_hf_weights(model, path: str) -> None:
         path: HF model directory.
     Each tensor is read as this rank's slice only and converted to the parameter's dtype.
     """
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
     from torch.distributed.tensor import DTensor
 
     modules = _modules(model)
@@ -251,7 +251,8 @@ def load_hf_weights(model, path: str) -> None:
                     continue
                 local = target.to_local() if isinstance(target, DTensor) else target
                 local.copy_(read(name, target.shape, local_slices(target)))
-            set_model_state_dict(module, {k: v for k, v in state.items() if k not in nf4})
+            set_model_state_dict(module, {k: v for k, v in state.items() if k not in nf4},
+                                 options=StateDictOptions(strict=not nf4))
 
 
 @contextmanager
