@@ -45,7 +45,8 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_model import BATCH, CONFIGS, SEQ  # noqa: E402
 
-from speedllm.config.schema import AdamWConfig, ModelConfig  # noqa: E402
+from speedllm.config.schema import AdamWConfig  # noqa: E402
+from speedllm.models.config import ModelConfig  # noqa: E402
 from speedllm.models import Qwen3  # noqa: E402
 from speedllm.models.hf_adapter import from_hf_state_dict, hf_config, to_hf_state_dict  # noqa: E402
 from speedllm.parallel import ParallelModel, clip_grad_norm  # noqa: E402
@@ -312,8 +313,8 @@ def decode_speed(ours, hf, prompt, new_tokens: int, repeats: int, dtype, clock=t
     """Greedy decode tokens/s of our engine and of transformers' static-cache `generate` on the same weights,
     alternating; each the median over `repeats`, the prefill (a 1-token generation) subtracted out.
     Returns ({"ours": tokens/s, "transformers": tokens/s}, whether both generated the same ids)."""
-    from speedllm.infer.engine import generate_ids
-    from speedllm.infer.sampling import Sampling
+    from speedllm.generation.engine import generate_ids
+    from speedllm.generation.sampling import Sampling
 
     def run_hf(n):
         with torch.inference_mode():
