@@ -87,7 +87,7 @@ def test_max_load_follows_transformers_router_assignments(biased_hf, runs):
     got = records["single"]
     assert not any(f"moe/layer_0/{name}" in got for name in FIGURES)  # the dense layer has none
     for i in MOE_LAYERS:
-        assert 3.0 < expected[i]["max_load"] < 4.0  # the bias shows: expert 0 takes nearly every token
+        assert expected[i]["max_load"] > 3.0  # the bias shows: expert 0 takes (nearly) every token
         for name in FIGURES:
             assert got[f"moe/layer_{i}/{name}"] == pytest.approx(expected[i][name], rel=1e-5), (i, name)
     assert got["moe/max_load"] == pytest.approx(max(expected[i]["max_load"] for i in MOE_LAYERS), rel=1e-5)
