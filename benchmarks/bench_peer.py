@@ -5,10 +5,11 @@
 The same ~42M-parameter Qwen3 (bench_model's two configs: `vocab_32k`, 8 layers x 512 at vocab 32,000, and
 `qwen3_vocab`, qwen3_tiny's layers at the real 151,936 vocabulary), batch 4 x 256, fp32, tied embeddings.
 `moe_60m` is a 60.5M-parameter Qwen3-MoE (vocab_32k's attention, every layer 8 experts of 384, top-2,
-normalized top-k weights; 28M parameters activated per token): transformers' Qwen3MoeForCausalLM against
+normalized top-k weights; 32M parameters activated per token): transformers' Qwen3MoeForCausalLM against
 torchtitan's Qwen3 MoE layers (`_build_qwen3_moe_layers`: its router and grouped experts on torch._grouped_mm;
 no load-balancing bias, and its experts' casts to bf16 taken out: _grouped_experts_fp32) and ours, which also
-computes its load-balancing loss (router_aux_loss_coef 0.001); transformers' as it ships has none (output_router_logits=False).
+computes its load-balancing loss (router_aux_loss_coef 0.001); transformers' as it ships has none
+(output_router_logits=False).
 transformers' random weights are loaded into all systems, and their logits are checked equal before any
 timing. A training step is forward + backward + gradient clipping + AdamW, each system as it ships:
   ours                   speedllm's Qwen3 with its defaults (loss path, optimizer and clipping of `task=pretrain`,
