@@ -79,7 +79,7 @@ def _isa(forced: str) -> str:
 def compile_command(source: Path, out: Path, path: str) -> list:
     """The host compiler's command line that builds `source` for kernel path `path` on this CPU."""
     return [os.environ.get("CC", "cc"), "-O3", "-march=native", *_ISA_FLAGS.get(path, []),
-            f"-DSPEEDLLM_ISA_{path.upper()}", "-fopenmp", "-shared", "-fPIC", str(source), "-o", str(out)]
+            f"-DSPEEDLLM_ISA_{path.upper()}", f'-DSPEEDLLM_ISA="{path}"', "-fopenmp", "-shared", "-fPIC", str(source), "-o", str(out)]
 
 
 @functools.cache
@@ -107,3 +107,13 @@ def load(source: Path, path: str):
                 return None
             built.rename(library)
     return ctypes.CDLL(str(library))
+
+
+def kernel_path(source: Path) -> str:
+    """Which code the library built from `source` runs on this machine now (its `speedllm_path()`), or "reference
+    twin" where it cannot be built; for task=doctor."""
+    lib = load(source, isa())
+    if lib is None:
+        return "reference twin (not built)"
+    lib.speedllm_path.restype = ctypes.c_char_p
+    return lib.speedllm_path().decode()

@@ -74,15 +74,6 @@ def _kernel(path: str):
     return fn
 
 
-def kernel_path() -> str:
-    """Which code the int4 kernel runs for the current kernel path (AVX-512 hosts run the avx2 code)."""
-    lib = load(KERNEL_SOURCE, isa())
-    if lib is None:
-        return "reference twin"
-    lib.int4_wo_mm_path.restype = ctypes.c_char_p
-    return lib.int4_wo_mm_path().decode()
-
-
 def int4_wo_mm_reference(x_ND, packed, scales_OG, zeros_OG, group_size: int) -> torch.Tensor:
     w_OD = groupwise_affine_dequantize_tensor_from_qparams(unpack_int4(packed), scales_OG, zeros_OG, 4, group_size)
     return F.linear(x_ND, w_OD.to(x_ND.dtype))

@@ -19,6 +19,7 @@
 #error "SPEEDLLM_ISA_AVX512 needs a compiler target with AVX-512F"
 #endif
 #include <immintrin.h>
+#define PATH "avx512"
 
 static inline __m512 widen16(const int8_t *w) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
@@ -53,6 +54,7 @@ static void dots(const float *x, const int8_t *row, long rows, long D, float *ou
 #error "SPEEDLLM_ISA_AVX2 needs a compiler target with AVX2 and FMA"
 #endif
 #include <immintrin.h>
+#define PATH "avx2"
 
 static inline __m256 widen8(const int8_t *w) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
@@ -95,6 +97,7 @@ static void dots(const float *x, const int8_t *row, long rows, long D, float *ou
 #error "SPEEDLLM_ISA_NEON needs an aarch64 compiler target"
 #endif
 #include <arm_neon.h>
+#define PATH "neon"
 
 /* 16 int8 weights as four float32x4 */
 static inline void widen16(const int8_t *w, float32x4_t f[4]) {
@@ -127,6 +130,7 @@ static void dots(const float *x, const int8_t *row, long rows, long D, float *ou
 }
 
 #else /* generic: plain C in 16 lanes, which the compiler maps onto the host's vectors */
+#define PATH "generic"
 #define LANES 16
 
 static float dot1(const float *x, const int8_t *row, long D) {
@@ -173,3 +177,5 @@ void int8_wo_mm(const float *x, const int8_t *w, const float *s, float *y, long 
         }
     }
 }
+
+const char *speedllm_path(void) { return PATH; } /* for task=doctor */
