@@ -30,22 +30,23 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "speedllm" / "kernels"
 
 
-def _cpu_flags() -> str:
+def _cpuinfo(field: str) -> str:
+    """The value of the first `field` line of /proc/cpuinfo ("" where there is none, e.g. not Linux)."""
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
-        cpuinfo = ""
-    return next((line for line in cpuinfo.splitlines() if line.startswith("flags")), platform.processor())
+        return ""
+    line = next((line for line in cpuinfo.splitlines() if line.split(":")[0].strip() == field), "")
+    return line.partition(":")[2].strip()
+
+
+def _cpu_flags() -> str:
+    return _cpuinfo("flags") or platform.processor()
 
 
 def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), for reports."""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        cpuinfo = ""
-    line = next((line for line in cpuinfo.splitlines() if line.startswith("model name")), "")
-    return line.partition(":")[2].strip() or platform.processor() or platform.machine()
+    """The CPU's model name, for reports."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 @functools.cache
@@ -79,7 +80,8 @@ def _isa(forced: str) -> str:
 def compile_command(source: Path, out: Path, path: str) -> list:
     """The host compiler's command line that builds `source` for kernel path `path` on this CPU."""
     return [os.environ.get("CC", "cc"), "-O3", "-march=native", *_ISA_FLAGS.get(path, []),
-            f"-DSPEEDLLM_ISA_{path.upper()}", f'-DSPEEDLLM_ISA="{path}"', "-fopenmp", "-shared", "-fPIC", str(source), "-o", str(out)]
+            f"-DSPEEDLLM_ISA_{path.upper()}", f'-DSPEEDLLM_ISA="{path}"', "-fopenmp", "-shared", "-fPIC",
+            str(source), "-o", str(out)]
 
 
 @functools.cache

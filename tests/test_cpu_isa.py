@@ -159,7 +159,8 @@ def test_a_path_this_cpu_cannot_run_is_refused_in_one_line(launch, tmp_path, mon
     monkeypatch.setenv(ISA_ENV, "avx9")
     code, out, err = launch(tmp_path, "task=doctor")
     assert code == 2
-    assert err.strip().splitlines()[-1] == f"error: {ISA_ENV}=avx9 is not a kernel path; {allowed} or unset it for the best"
+    assert err.strip().splitlines()[-1] == (f"error: {ISA_ENV}=avx9 is not a kernel path; {allowed} or unset it "
+                                            "for the best")
     lacking = next(path for path in ISAS if path not in supported_isas())  # every CPU lacks avx512 or neon
     monkeypatch.setenv(ISA_ENV, lacking)
     with pytest.raises(UserError) as refused:
