@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from speedllm.errors import UserError
 from speedllm.hardware import DTYPES
 from speedllm.models.config import PROJECTIONS
+from speedllm.native import isa
 from speedllm.ops import IMPLEMENTATIONS
 from speedllm.parallel.rules import divisors, inference_layout_errors, layout_errors, pipeline_batch_errors
 from speedllm.quant import FLOAT8_RECIPES, QUANT_NAMES, TRAINING
@@ -446,6 +447,7 @@ def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
     if cfg.task.inference:
         check_inference(cfg)
     if cfg.task.name != "plan":
+        isa()  # SPEEDLLM_CPU_ISA, where set, names a kernel path this CPU runs
         check_world(cfg, world_size)
         check_paths(cfg)
         check_outputs(cfg)

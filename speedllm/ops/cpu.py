@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from speedllm.native import load
+from speedllm.native import isa, load
 from speedllm.ops import reference
 from speedllm.ops.reference import attention, cross_entropy, varlen_attention
 
@@ -34,10 +34,14 @@ _SIGNATURES = {
 }
 
 
-@functools.cache
 def kernels():
-    """The compiled kernels (ctypes library), or None where they cannot be built."""
-    lib = load(KERNEL_SOURCE)
+    """The compiled kernels for the current kernel path (ctypes library), or None where they cannot be built."""
+    return _kernels(isa())
+
+
+@functools.cache
+def _kernels(path: str):
+    lib = load(KERNEL_SOURCE, path)
     if lib is not None:
         for name, argtypes in _SIGNATURES.items():
             getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
