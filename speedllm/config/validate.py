@@ -288,7 +288,10 @@ def check_finetune(cfg: DictConfig) -> None:
 
 
 def check_inference(cfg: DictConfig) -> None:
-    """Sampling and evaluation settings of the tasks that run a trained model."""
+    """Sampling and evaluation settings of the tasks that run a trained model, and its weights."""
+    if cfg.checkpoint.load is None and cfg.checkpoint.load_hf is None:
+        raise UserError(f"task={cfg.task.name} needs weights: checkpoint.load=<checkpoint dir> (from a training "
+                        "run) or checkpoint.load_hf=<Hugging Face model dir> (with model=hf)")
     gen = cfg.generate
     rules = [
         (gen.max_new_tokens >= 1, f"generate.max_new_tokens={gen.max_new_tokens} must be >= 1"),
