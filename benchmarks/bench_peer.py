@@ -1,9 +1,15 @@
 """Training step and decode speed against the strongest peers: ours vs torchtitan vs transformers, side by side.
 
-    python benchmarks/bench_peer.py [--steps 7] [--configs vocab_32k qwen3_vocab] [--decode] [--compile]
+    python benchmarks/bench_peer.py [--steps 7] [--configs vocab_32k qwen3_vocab moe_60m] [--decode] [--compile]
 
 The same ~42M-parameter Qwen3 (bench_model's two configs: `vocab_32k`, 8 layers x 512 at vocab 32,000, and
 `qwen3_vocab`, qwen3_tiny's layers at the real 151,936 vocabulary), batch 4 x 256, fp32, tied embeddings.
+`moe_60m` is a 60.5M-parameter Qwen3-MoE (vocab_32k's attention, every layer 8 experts of 384, top-2,
+normalized top-k weights; 32M parameters activated per token): transformers' Qwen3MoeForCausalLM against
+torchtitan's Qwen3 MoE layers (`_build_qwen3_moe_layers`: its router and grouped experts on torch._grouped_mm;
+no load-balancing bias, and its experts' casts to bf16 taken out: _grouped_experts_fp32) and ours, which also
+computes its load-balancing loss (router_aux_loss_coef 0.001); transformers' as it ships has none
+(output_router_logits=False).
 transformers' random weights are loaded into all systems, and their logits are checked equal before any
 timing. A training step is forward + backward + gradient clipping + AdamW, each system as it ships:
   ours                   speedllm's Qwen3 with its defaults (loss path, optimizer and clipping of `task=pretrain`,
@@ -38,17 +44,21 @@ import torch
 from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_model import BATCH, CONFIGS, SEQ, model_cfg  # noqa: E402
+from bench_model import BATCH, CONFIGS, SEQ  # noqa: E402
 
 from speedllm.config.schema import AdamWConfig  # noqa: E402
+from speedllm.models.config import ModelConfig  # noqa: E402
 from speedllm.models import Qwen3  # noqa: E402
-from speedllm.models.hf_adapter import from_hf_state_dict, hf_config  # noqa: E402
+from speedllm.models.hf_adapter import from_hf_state_dict, hf_config, to_hf_state_dict  # noqa: E402
 from speedllm.parallel import ParallelModel, clip_grad_norm  # noqa: E402
 from speedllm.paths import CONF  # noqa: E402
 from speedllm.train.metrics import peak_memory_gb  # noqa: E402
 from speedllm.train.optimizer import build_optimizer  # noqa: E402
 
 SYSTEMS = ("ours", "torchtitan", "torchtitan_chunked", "transformers", "ours_reference")
+MOE_CONFIGS = {"moe_60m": dict(CONFIGS["vocab_32k"], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=384,
+                               norm_topk_prob=True)}
+CONFIGS = CONFIGS | MOE_CONFIGS
 OPS = OmegaConf.load(CONF / "hardware" / "cpu.yaml").ops  # ours runs the op set `hardware=cpu` runs
 GRAD_CLIP = 1.0
 OPTIM = OmegaConf.structured(AdamWConfig)  # our defaults; the peers get the same lr, betas, eps, decay
@@ -69,11 +79,25 @@ def batch(vocab_size: int):
     return tokens, labels
 
 
+def model_cfg(name: str):
+    return OmegaConf.merge(OmegaConf.structured(ModelConfig),
+                           dict(name=name, tie_word_embeddings=True, max_position_embeddings=4096, **CONFIGS[name]))
+
+
 def hf_model(config: str):
-    from transformers import Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    return Qwen3ForCausalLM(hf_config(model_cfg(config)))
+    return (Qwen3MoeForCausalLM if config in MOE_CONFIGS else Qwen3ForCausalLM)(hf_config(model_cfg(config)))
+
+
+def _grouped_experts_fp32(self, x_RD, num_tokens_per_expert_E):
+    """torchtitan's GroupedExperts.forward without its casts to bf16 (it runs the experts in bf16 whatever the
+    model's dtype: logits 0.2 off the fp32 ones, and bf16 matmuls are 50-100x slower on this CPU)."""
+    offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+    h_RF = torch.nn.functional.silu(self._grouped_mm(A=x_RD, B_t=self.w1_EFD.transpose(-2, -1), offs=offsets_E))
+    h_RF = h_RF * self._grouped_mm(A=x_RD, B_t=self.w3_EFD.transpose(-2, -1), offs=offsets_E)
+    return self._grouped_mm(A=h_RF, B_t=self.w2_EDF.transpose(-2, -1), offs=offsets_E)
 
 
 def torchtitan_model(cfg, hf_sd: dict, max_seq_len: int):
@@ -82,12 +106,24 @@ def torchtitan_model(cfg, hf_sd: dict, max_seq_len: int):
     Built on the current default device."""
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.qwen3 import Qwen3Model, Qwen3StateDictAdapter, _build_qwen3_layers, _qwen3_norm
+    from torchtitan.models.qwen3 import (Qwen3Model, Qwen3StateDictAdapter, _build_qwen3_layers,
+                                         _build_qwen3_moe_layers, _qwen3_norm)
 
-    layers = _build_qwen3_layers(
-        n_layers=cfg.num_hidden_layers, dim=cfg.hidden_size, n_heads=cfg.num_attention_heads,
-        n_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, hidden_dim=cfg.intermediate_size,
-        attn_backend="flex", rope=CosSinRoPE.Config(dim=cfg.head_dim, max_seq_len=max_seq_len, theta=cfg.rope_theta))
+    shape = dict(n_layers=cfg.num_hidden_layers, dim=cfg.hidden_size, n_heads=cfg.num_attention_heads,
+                 n_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, attn_backend="flex",
+                 rope=CosSinRoPE.Config(dim=cfg.head_dim, max_seq_len=max_seq_len, theta=cfg.rope_theta))
+    if cfg.num_experts:
+        layers = _build_qwen3_moe_layers(**shape, moe_hidden_dim=cfg.moe_intermediate_size,
+                                         num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+                                         moe_comm_backend="standard")
+        from torchtitan.models.common.moe import GroupedExperts
+
+        GroupedExperts.forward = _grouped_experts_fp32
+        for layer in layers:
+            layer.moe.load_balance_coeff = None  # its bias is updated by a training hook we do not run
+        hf_sd = to_hf_state_dict(from_hf_state_dict(hf_sd, cfg), cfg)  # experts one by one, as on disk
+    else:
+        layers = _build_qwen3_layers(**shape, hidden_dim=cfg.intermediate_size)
     for layer in layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     config_tt = Qwen3Model.Config(
