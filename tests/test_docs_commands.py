@@ -11,7 +11,7 @@ Placeholders in angle brackets stand for files the reader has; the test makes th
 `<HF dir>` a tiny Qwen3 saved by transformers with the demo tokenizer, `<PEFT dir>` that LoRA run's PEFT export,
 `<tokenizer dir>` the demo tokenizer, `<out dir>` a fresh folder for outputs. Relative input files the docs name
 (`pairs.jsonl`, `prompts.jsonl`, `corpus/*.jsonl`, `data/{corpus,web,books}`, `my_tasks/`) lie in the folder the
-commands run from. A placeholder not in this list fails the test: make it in `_substitute`.
+commands run from (each command gets its own copy). A placeholder not in this list fails the test: make it in `_substitute`.
 
 The cheap form of a command is the command as typed plus overrides appended at the end (Hydra takes the last value
 of a key), chosen from the composed config:
@@ -21,13 +21,14 @@ of a key), chosen from the composed config:
 - pretrain / sft / dpo: 2 steps of 4 x 32 tokens, no samples (TRAIN_CHEAP); generate / chat: 4 new tokens (chat
   reads `/exit`); evaluate: 1 batch, or 2 samples per lm-eval task; suites that must be downloaded (lm-eval tasks
   without `evaluate.include_path`): `--cfg job`;
-- serve: started on a free port, then asked for `/health` until it answers 200, then SIGTERM: it must exit 0;
+- serve: started on a free port, then asked for `/health` until it answers 200, then SIGTERM to the launcher: it
+  must exit 0;
 - `-m` sweeps: every point in its cheap form; `hydra/launcher=submitit_slurm`: skipped where the plugin is missing;
 - benchmarks: `--dry` (every `python -m benchmarks <name>` takes it; a script under `benchmarks/` that does not
   gets `--help`: it imports and parses), before a `--` that hands the rest to launch.py.
 A command documented to fail (`# exit N`, N > 0) runs as typed: it is refused before anything runs.
 Each command must exit with its documented code and print neither `internal error` nor `Traceback`.
-README.md stays a quickstart: at most 200 lines.
+README.md stays a quickstart: at most 200 lines. Benchmarks, servers, lm-eval, sweeps and 2-rank runs are `slow`.
 """
 
 import fcntl
