@@ -24,4 +24,5 @@ def main(argv=None) -> None:
     importlib.import_module(found[argv[0]]).main(argv[1:])
 
 
-main()
+if __name__ == "__main__":
+    main()

@@ -19,7 +19,8 @@ import json
 
 import torch
 
-from benchmarks.common import BATCH, CONFIGS, SEQ, batch, interleaved, make_parser, model_cfg, parse, run_child, timed
+from benchmarks.common import (BATCH, CONFIGS, SEQ, batch, in_fresh_process, interleaved, make_parser, model_cfg, parse,
+                               timed)
 from speedllm.models import Qwen3
 from speedllm.models.hf_adapter import from_hf_state_dict, hf_config
 from speedllm.train.metrics import flops_per_token, peak_memory_gb
@@ -82,7 +83,7 @@ def bench(config: str, args) -> dict:
            "flops_per_token": flops_per_token(model_cfg(config), SEQ)}
     del runs
     for name in times:
-        child = run_child(__name__, "--memory-child", name, "--configs", config, "--ops", args.ops,
+        child = in_fresh_process(__name__, "--memory-child", name, "--configs", config, "--ops", args.ops,
                           "--loss-chunk-size", args.loss_chunk_size)
         row[name] = {"tokens_per_s": BATCH * SEQ / min(times[name]), "peak_rss_gb": child["peak_rss_gb"]}
     return row

@@ -32,8 +32,8 @@ import tempfile
 import torch
 from omegaconf import OmegaConf
 
-from benchmarks.common import (BATCH, CLOCKS, CONFIGS, SEQ, batch, decode_speed, have_torchtitan, interleaved,
-                               make_parser, model_cfg, parse, run_child, timed, torchtitan_model)
+from benchmarks.common import (BATCH, CLOCKS, CONFIGS, SEQ, batch, decode_speed, have_torchtitan, in_fresh_process,
+                               interleaved, make_parser, model_cfg, parse, timed, torchtitan_model)
 from speedllm.config.schema import AdamWConfig
 from speedllm.models import Qwen3
 from speedllm.models.hf_adapter import from_hf_state_dict, hf_config
@@ -177,7 +177,7 @@ def child(name: str, config: str, compile_: bool) -> dict:
     """One system alone in a fresh process with an empty compile cache (run_child): {"peak_rss_gb"}, or with
     compile_ {"compile_s"}."""
     with tempfile.TemporaryDirectory() as cache:
-        return run_child(__name__, "--child", name, "--configs", config, *["--compile"] * compile_,
+        return in_fresh_process(__name__, "--child", name, "--configs", config, *["--compile"] * compile_,
                          env={"TORCHINDUCTOR_CACHE_DIR": cache})
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from benchmarks.common import GiB, make_parser, parse, proc_status_kib, run_child
+from benchmarks.common import GiB, in_fresh_process, make_parser, parse, proc_status_kib
 from speedllm.config import compose_config
 from speedllm.data.loader import build_loader
 from speedllm.finetune.base import load_base
@@ -67,9 +67,9 @@ def main(argv=None) -> None:
         return
     results = {}
     for mode in ("lora", "qlora"):
-        r = results[mode] = run_child(__name__, "--worker", mode, "--model", args.model, "--steps", args.steps,
-                                      "--seq-len", args.seq_len, "--loss-chunk-size", args.loss_chunk_size,
-                                      env={"MALLOC_MMAP_THRESHOLD_": str(2**16)})
+        r = results[mode] = in_fresh_process(
+            __name__, "--worker", mode, "--model", args.model, "--steps", args.steps, "--seq-len", args.seq_len,
+            "--loss-chunk-size", args.loss_chunk_size, env={"MALLOC_MMAP_THRESHOLD_": str(2**16)})
         print(f"{args.model}, {args.steps} steps of 1 x {args.seq_len} tokens, fp32 compute, rank 8, {mode}: model "
               f"ready {r['ready_gib']:.2f} GiB, step peak {r['step_peak_gib']:.2f} GiB, losses "
               f"{', '.join(f'{x:.4f}' for x in r['losses'])}", flush=True)

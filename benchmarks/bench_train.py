@@ -7,7 +7,7 @@ in its own subprocess so peak memory (RSS on CPU, allocator peak on a GPU) is it
 --warmup steps are not timed.
 
     python -m benchmarks train                       # vocab 151,936 (the real Qwen3 vocabulary)
-    python -m benchmarks train --vocab 8192 --steps 10
+    python -m benchmarks train --vocab 8192 --tokenizer demo --steps 10
     python -m benchmarks train --dry                 # one short step at vocab 8192
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from benchmarks.common import TINY_LAYERS, make_parser, parse, run_child
+from benchmarks.common import TINY_LAYERS, in_fresh_process, make_parser, parse
 from speedllm.config import compose_config
 from speedllm.runtime import Runtime
 from speedllm.train.loop import run
@@ -32,7 +32,8 @@ def ours(args) -> dict:
     run_dir = tempfile.mkdtemp(prefix="bench_train_")
     overrides = [
         "model=qwen3_tiny", f"model.vocab_size={args.vocab}", "model.tie_word_embeddings=true",
-        "model.tokenizer=${asset:tokenizers/qwen3}", "hardware=cpu", f"train.steps={args.warmup + args.steps}",
+        f"model.tokenizer=${{asset:tokenizers/{args.tokenizer}}}", "hardware=cpu",
+        f"train.steps={args.warmup + args.steps}",
         f"train.seq_len={args.seq_len}", f"train.micro_batch_size={args.batch}", f"train.global_batch_size={args.batch}",
         "train.log_every=1", "train.eval_every=0", "checkpoint.save_final=false",
         "logging.tensorboard=false", "logging.progress_bar=false", "generate.num_samples=0",
@@ -74,18 +75,19 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = make_parser(__name__, __doc__)
     parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--tokenizer", default="qwen3", help="ours' bundled tokenizer (no more ids than --vocab)")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--side", choices=["ours", "transformers"], help=argparse.SUPPRESS)
-    args = parse(parser, argv, vocab=8192, seq_len=32, batch=1, steps=1, warmup=1)
+    args = parse(parser, argv, vocab=8192, tokenizer="demo", seq_len=32, batch=1, steps=1, warmup=1)
     if args.side:
         print(json.dumps((ours if args.side == "ours" else transformers_loop)(args)))
         return
     results = {}
     for side in ("transformers", "ours"):
-        results[side] = run_child(__name__, *argv, "--side", side)
+        results[side] = in_fresh_process(__name__, *argv, "--side", side)
         print(f"{side:>12}: {results[side]['tokens_per_s']:8.1f} tokens/s   peak {results[side]['peak_mem_gb']:.2f} GB")
     print(f"ratio ours/transformers: tokens/s x{results['ours']['tokens_per_s'] / results['transformers']['tokens_per_s']:.2f}, "
           f"peak memory x{results['ours']['peak_mem_gb'] / results['transformers']['peak_mem_gb']:.2f}  "

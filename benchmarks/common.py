@@ -85,7 +85,7 @@ def proc_status_kib(field: str, pid="self") -> int:
         return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
 
 
-def run_child(module: str, *args, env=None) -> dict:
+def in_fresh_process(module: str, *args, env=None) -> dict:
     """Run benchmark `module` (its __name__) with `args` in a fresh process, `python -m benchmarks <name>`, and
     return the JSON object it prints as its last line; its stderr's end is the error if it fails."""
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
@@ -252,8 +252,8 @@ def quality(runs, group_size: int, steps: int, num_prompts: int):
     """For each (checkpoint, quant) of `runs`, loaded as task=evaluate loads it, yield (valid perplexity over
     `steps` micro-batches, its relative change from the first run's, the share of NEW_TOKENS greedy tokens on
     `num_prompts` prompts (PROMPT_LEN-token openings of valid sequences) identical to the first run's)."""
-    from speedllm.data.loader import build_loader
     from speedllm.config import compose_config
+    from speedllm.data.loader import build_loader
     from speedllm.infer.load import adopt_checkpoint_config, load_model
     from speedllm.runtime import Runtime
 
