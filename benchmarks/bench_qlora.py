@@ -61,7 +61,7 @@ def main(argv=None) -> None:
     # is kept between steps, the same in both modes
     parser.add_argument("--loss-chunk-size", type=int, default=128)
     parser.add_argument("--worker", choices=["lora", "qlora"])
-    args = parse(parser, argv, model="qwen3_tiny", steps=1, seq_len=32, loss_chunk_size=32)
+    args = parse(parser, argv, model="qwen3_tiny", steps=1)
     if args.worker:
         print(json.dumps(worker(args)))
         return
