@@ -27,7 +27,7 @@ def main(argv=None) -> None:
                          "train.micro_batch_size=1", "train.global_batch_size=1", "parallel.dp=1",
                          f"parallel.cp={cp}"] + ([f"parallel.cp_mode={mode}"] if cp > 1 else [])
             cfg = compose_config(*overrides)
-            records = measured_step(cfg, overrides, cp)
+            records = measured_step(cfg, cp)
             planner = Planner(problem_from_config(cfg, cp))
             predicted = planner.rank_memories(layout_from_config(cfg.parallel, cfg.train))[0].total
             for rec in records:

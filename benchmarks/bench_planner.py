@@ -12,12 +12,12 @@ import time
 from benchmarks.common import make_parser, measured_step, parse
 from speedllm.config import compose_config
 from speedllm.config.schema import typed
-from speedllm.dryrun import build_rank, sample_ranks
 from speedllm.hardware import load_profile
 from speedllm.planner.layout import layout_from_config
 from speedllm.planner.memory import GIB, rank_params
 from speedllm.planner.mindspeed import PUBLISHED, published_estimate
 from speedllm.planner.search import Planner, Problem, problem_from_config
+from speedllm.tasks.dryrun import build_rank, sample_ranks
 
 MEASURED = [("qwen3_tiny", "single", 1), ("qwen3_tiny", "fsdp2", 2), ("qwen3_moe_tiny", "fsdp2", 2),
             ("qwen3_tiny", "tp2", 2), ("qwen3_tiny", "pp2", 2)]
@@ -77,7 +77,7 @@ def measured_table(rows: int = None) -> None:
         overrides = [f"model={model}", f"parallel={parallel}", *COMMON]
         cfg = compose_config(*overrides)
         cfg.parallel.dp = world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
-        records = measured_step(cfg, overrides, world)
+        records = measured_step(cfg, world)
         planner = Planner(problem_from_config(cfg, world))
         layout = layout_from_config(cfg.parallel, cfg.train)
         memories = planner.rank_memories(layout, cfg.parallel.pp_layers)

@@ -19,8 +19,9 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from benchmarks.common import CONFIGS, decode_rates, hf_greedy, make_parser, ours_greedy, parse
-from speedllm.config.schema import ModelConfig, QuantConfig
+from speedllm.config.schema import QuantConfig
 from speedllm.models import Qwen3, num_params
+from speedllm.models.config import ModelConfig
 from speedllm.models.hf_adapter import from_hf_state_dict, hf_config
 from speedllm.paths import CONF
 from speedllm.quant import QUANTIZED, quantize_for_inference

@@ -3,7 +3,7 @@
     python -m benchmarks quant_tp [--quants none int8_wo int4_wo] [--new-tokens 16] [--repeats 5] [--dry]
 
 `generate`'s ~40M Qwen3 with random weights, saved once as an HF directory and loaded by the inference
-path (speedllm.infer.load.load_model: under tp=2 each rank quantizes its own shards). Two gloo ranks with one
+path (speedllm.generation.load.load_model: under tp=2 each rank quantizes its own shards). Two gloo ranks with one
 thread each: in every repeat rank 0 first decodes alone at tp=1 (rank 1 waits), then both decode at tp=2, so
 load from other processes hits both alike. Decode tokens/s = (N - 1) / (wall time of N new tokens - of 1), the
 median over --repeats (wall time: a tp=2 step includes its all-reduces). --dry: the `tiny` config, fp32.
@@ -26,7 +26,7 @@ PROMPT_BS = torch.arange(100, 116)[None]
 
 
 def load(root: Path, quant: str, tp: int):
-    from speedllm.infer.load import load_model
+    from speedllm.generation.load import load_model
     from speedllm.parallel.mesh import build_mesh
 
     cfg = compose_config("task=generate", "hardware=cpu", "model=hf", f"checkpoint.load_hf={root}",

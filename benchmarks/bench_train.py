@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from benchmarks.common import TINY_LAYERS, in_fresh_process, make_parser, parse
 from speedllm.config import compose_config
 from speedllm.runtime import Runtime
-from speedllm.train.loop import run
+from speedllm.tasks.pretrain import run
 from speedllm.train.metrics import peak_memory_gb
 
 

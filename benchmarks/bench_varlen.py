@@ -16,7 +16,7 @@ import torch
 from omegaconf import OmegaConf
 
 from benchmarks.common import MiB, interleaved, make_parser, parse
-from speedllm.config.schema import ModelConfig
+from speedllm.models.config import ModelConfig
 from speedllm.models.qwen3 import Qwen3, masked_attention
 from speedllm.paths import CONF
 

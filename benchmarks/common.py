@@ -21,7 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 from benchmarks import name_of
-from speedllm.config.schema import ModelConfig
+from speedllm.models.config import ModelConfig
 from speedllm.paths import CONF
 
 REPO = Path(__file__).resolve().parents[1]  # the checkout these benchmarks belong to (launch.py, benchmarks/)
@@ -96,9 +96,9 @@ def in_fresh_process(module: str, *args, env=None) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def measured_step(cfg, overrides, world: int) -> list:
-    """One record per rank of the planner's own measurement of a training step (speedllm.planner.measure) of
-    `cfg`, composed from `overrides`: in this process for one rank, else on `world` spawned CPU ranks."""
+def measured_step(cfg, world: int) -> list:
+    """One record per rank of the planner's own measurement of a training step (speedllm.planner.measure) of the
+    composed config `cfg`: in this process for one rank, else on `world` spawned CPU ranks."""
     from speedllm.planner.measure import measure_layout, measure_training_step
     from speedllm.runtime import Runtime
 
@@ -106,7 +106,7 @@ def measured_step(cfg, overrides, world: int) -> list:
         if world == 1:
             cfg.run_dir = out
             return [measure_training_step(cfg, Runtime())]
-        return measure_layout(overrides, world, out)
+        return measure_layout(cfg, world, out)
 
 
 def free_port() -> int:
@@ -195,8 +195,8 @@ def hf_greedy(hf, **generate_kwargs):
 
 def ours_greedy(model, dtype=torch.float32, **kwargs):
     """fn(prompt_BS, n) -> the n greedy new token ids of each row from our engine (`kwargs`: generate_ids')."""
-    from speedllm.infer.engine import generate_ids
-    from speedllm.infer.sampling import Sampling
+    from speedllm.generation.engine import generate_ids
+    from speedllm.generation.sampling import Sampling
 
     return lambda prompt_BS, n: generate_ids(model, prompt_BS.tolist(), n, Sampling(), [], 0, dtype, **kwargs)
 
@@ -253,8 +253,9 @@ def quality(runs, group_size: int, steps: int, num_prompts: int):
     `steps` micro-batches, its relative change from the first run's, the share of NEW_TOKENS greedy tokens on
     `num_prompts` prompts (PROMPT_LEN-token openings of valid sequences) identical to the first run's)."""
     from speedllm.config import compose_config
+    from speedllm.config.resolve import adopt_checkpoint_config
     from speedllm.data.loader import build_loader
-    from speedllm.infer.load import adopt_checkpoint_config, load_model
+    from speedllm.generation.load import load_model
     from speedllm.runtime import Runtime
 
     reference = base_ppl = prompts = None

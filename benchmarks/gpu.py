@@ -30,8 +30,9 @@ import torch
 from omegaconf import OmegaConf
 
 from benchmarks.common import CONFIGS, REPO, decode_speed, have_torchtitan, make_parser, parse, torchtitan_model
-from speedllm.config.schema import AdamWConfig, ModelConfig
+from speedllm.config.schema import AdamWConfig
 from speedllm.models import Qwen3
+from speedllm.models.config import ModelConfig
 from speedllm.models.hf_adapter import hf_config, to_hf_state_dict
 from speedllm.ops import get_ops, reference
 from speedllm.parallel import ParallelModel, clip_grad_norm

@@ -23,15 +23,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from speedllm.adapters.lora import adapters_disabled
 from speedllm.checkpoint.dcp import Checkpointer
 from speedllm.checkpoint.hf import load_hf_weights
-from speedllm.finetune.lora import adapters_disabled
 from speedllm.parallel import clip_grad_norm
 from speedllm.runtime import Runtime, seed_everything
-from speedllm.train.loop import autocast_for, build_model, grad_accum_steps, restore, rng_state, to_device
+from speedllm.train.build import autocast_for, build_model, grad_accum_steps, to_device
 from speedllm.train.metrics import MetricsLogger
 from speedllm.train.optimizer import build_optimizer
 from speedllm.train.schedule import build_scheduler
+from speedllm.train.state import restore, rng_state
 
 
 def reply_logps(model: nn.Module, tokens_RS: torch.Tensor, labels_RS: torch.Tensor) -> tuple:
