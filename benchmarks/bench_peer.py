@@ -21,7 +21,8 @@ a fresh process, which reports its peak RSS (VmHWM, including ~0.3 GB of Python/
 --decode: greedy decode tokens/s at batch 1 and 8, ours vs transformers' `generate` with its static cache.
 --compile: the step again with torch.compile on the decoder layers (ours: `train.compile`; torchtitan: its
 per-block compile), with the start-up beside the compiled speed: the wall time of the first compiled step of
-each system alone in a fresh process with an empty compile cache. --dry: one step of the `tiny` config.
+each system alone in a fresh process with an empty compile cache.
+--dry: one step and a short decode of the `tiny` config.
 """
 
 import argparse
@@ -215,10 +216,10 @@ def print_training(config: str, result: dict, compile_: bool) -> None:
         print(line)
 
 
-def bench_decode(new_tokens: int, repeats: int, clock) -> list:
-    """Decode at batch 1 and 8 on the vocab_32k model, fp32: [(batch, tokens/s by system, same ids)]."""
-    cfg = model_cfg("vocab_32k")
-    hf = hf_model("vocab_32k").eval()
+def bench_decode(config: str, new_tokens: int, repeats: int, clock) -> list:
+    """Decode at batch 1 and 8 on the `config` model, fp32: [(batch, tokens/s by system, same ids)]."""
+    cfg = model_cfg(config)
+    hf = hf_model(config).eval()
     ours = Qwen3(cfg, ops=OPS).eval()
     ours.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg))
     gen = torch.Generator().manual_seed(1)
@@ -242,7 +243,7 @@ def main(argv=None) -> None:
                         help="cpu: this process's CPU time (use with --threads 1 on a machine shared with other jobs)")
     parser.add_argument("--profile", type=int, metavar="ROWS", help="print a profiler table per system instead")
     parser.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
-    args = parse(parser, argv, steps=1, configs=["tiny"])
+    args = parse(parser, argv, steps=1, configs=["tiny"], decode=True, new_tokens=4)
     if args.child:
         run_child(args.child, args.configs[0], args.compile)
         return
@@ -261,9 +262,10 @@ def main(argv=None) -> None:
         if args.compile:
             print_training(config, bench_training(config, systems, args.steps, True, clock), True)
     if args.decode:
-        print(f"\ndecode (vocab_32k, fp32, greedy, {args.new_tokens} new tokens, median of 3, prefill subtracted)")
+        config = "tiny" if args.dry else "vocab_32k"
+        print(f"\ndecode ({config}, fp32, greedy, {args.new_tokens} new tokens, median of 3, prefill subtracted)")
         print("| batch | transformers static cache tokens/s | ours tokens/s | ratio | same ids |\n|---|---|---|---|---|")
-        for batch_size, decode, same in bench_decode(args.new_tokens, 3, clock):
+        for batch_size, decode, same in bench_decode(config, args.new_tokens, 3, clock):
             print(f"| {batch_size} | {decode['transformers']:.1f} | {decode['ours']:.1f} | "
                   f"x{decode['ours'] / decode['transformers']:.2f} | {same} |")
     with open("/proc/loadavg") as f:
