@@ -10,6 +10,15 @@ config.json, generation_config.json and the tokenizer files, into a temp directo
 
 Names follow speedllm.models.hf_adapter (the one name map); the files are checked against the shapes the
 config implies before anything is read, so a bad directory fails with the tensor named, not mid-load.
+
+Why not torch.distributed.checkpoint's HuggingFaceStorageReader / Writer (what torchtitan uses): they map one
+stored key to one state-dict key. Our MoE experts are one stacked [E, out, in] parameter made of E stored
+tensors, so reading through DCP would first build every expert's full tensor under its HF name and then copy
+them into the stack (a rank of an EP/FSDP layout here reads only its experts' slices), and writing would need
+the unstacking done beforehand plus DCP's consolidation pass to give transformers' shard layout and index.
+The tied lm_head (absent from the files) is a third special case. Reading and writing with `safetensors`
+directly keeps each of these one line; tensors round-trip bit-exactly and transformers loads the export
+(tests/test_hf.py).
 """
 
 import json

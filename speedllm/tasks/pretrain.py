@@ -10,36 +10,25 @@ from pathlib import Path
 
 from speedllm.checkpoint.dcp import Checkpointer, latest_checkpoint
 from speedllm.runtime import Runtime, seed_everything
-from speedllm.train.build import autocast_for, build_model, grad_accum_steps, to_device
+from speedllm.train.build import build_training, grad_accum_steps, to_device
 from speedllm.train.faults import BadSteps, Preemption
 from speedllm.train.metrics import MetricsLogger, flops_per_token, mfu, peak_memory_gb
-from speedllm.train.optimizer import build_optimizer
 from speedllm.train.samples import print_samples
-from speedllm.train.schedule import build_scheduler
-from speedllm.train.state import restore, rng_state
+from speedllm.train.state import extra_state
 from speedllm.train.step import evaluate, train_step
 
 
 def run(cfg, rt: Runtime) -> None:
     """Train (task=pretrain) or fine-tune (task=sft) per cfg; checkpoints, metrics and samples go to the run dir."""
-    from speedllm.data.loader import build_loader
-
     t, ck = cfg.train, cfg.checkpoint
     seed_everything(cfg.seed)
     dp_rank, dp_size, group = rt.dims.coords("dp")
     accum = grad_accum_steps(t, dp_size)
-    pm = build_model(cfg, rt)
-    optimizer = build_optimizer(pm.module, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, t.steps)
-    loader = build_loader(cfg, "train", dp_rank, dp_size, t.micro_batch_size, t.seq_len, cfg.seed)
-    autocast = autocast_for(cfg, pm, rt.device)
-
-    step, resume_from = restore(cfg, rt, pm, optimizer, scheduler, loader)
+    pm, optimizer, scheduler, loader, autocast, step, resume_from = build_training(cfg, rt)
     checkpointer = Checkpointer(ck.dir, ck.keep, ck.async_save)
 
     def checkpoint() -> None:
-        extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
-                 "rng": rng_state(rt.device)}
+        extra = extra_state(step, scheduler, loader, rt.device)
         saved = checkpointer.save(step, pm.module, optimizer, extra, cfg)
         logger.message(f"checkpoint: step {step} {'saving in the background' if ck.async_save else 'saved'} to "
                        f"{saved}")

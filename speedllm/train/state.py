@@ -44,6 +44,12 @@ def load_request(cfg):
 
 
 
+def extra_state(step: int, scheduler, loader, device: torch.device) -> dict:
+    """What a checkpoint holds beside the model and optimizer: what restore() reads back."""
+    return {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
+            "rng": rng_state(device)}
+
+
 def restore(cfg, rt: Runtime, pm: ParallelModel, optimizer, scheduler, loader) -> tuple:
     """Load what the run starts from: a checkpoint to resume (model, optimizer, scheduler, loader position, RNG),
     else HF weights (checkpoint.load_hf); under adapters the frozen base first. Returns (step, checkpoint | None)."""
