@@ -36,8 +36,8 @@ HEADERS = {
     "varlen": "| path | step CPU s (median) | peak tensor MiB |",
 }
 # several processes (spawned ranks, launch.py runs, a server) or a minute and more on a 2-core CPU
-SLOW = {"cp_memory", "fsdp_memory", "init", "planner", "qat_vs_ptq", "qlora", "quant_memory", "quant_quality",
-        "quant_tp", "serve", "train"}
+SLOW = {"cp_memory", "fsdp_memory", "init", "peer", "planner", "qat_vs_ptq", "qlora", "quant_memory",
+        "quant_quality", "quant_tp", "serve", "train"}
 # optional dependencies (the `test` extras have them all): without one, its benchmarks are skipped
 NEEDS = {"qat_vs_ptq": "torchao", "qlora": "torchao", "quant": "torchao", "quant_memory": "torchao",
          "quant_quality": "torchao", "serve": "openai"}
@@ -48,7 +48,7 @@ def run(*args, cwd):
     path, so that a benchmark's files land in the test's directory)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, "-m", "benchmarks", *args], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=900)
+                          env=env, timeout=1800)
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] * (name in SLOW), id=name)
