@@ -103,8 +103,8 @@ def measured_step(cfg, world: int) -> list:
     from speedllm.runtime import Runtime
 
     with tempfile.TemporaryDirectory() as out:
+        cfg.run_dir = out  # composed outside Hydra: its default run_dir cannot resolve
         if world == 1:
-            cfg.run_dir = out
             return [measure_training_step(cfg, Runtime())]
         return measure_layout(cfg, world, out)
 
