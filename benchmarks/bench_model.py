@@ -94,7 +94,7 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--ops", default="reference")
     parser.add_argument("--loss-chunk-size", type=int, default=1024)
-    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=DEFAULT_CONFIGS)
+    parser.add_argument("--configs", nargs="+", choices=[*DEFAULT_CONFIGS, "tiny"], default=DEFAULT_CONFIGS)
     parser.add_argument("--memory-child", choices=["ours", "transformers"], help=argparse.SUPPRESS)
     args = parse(parser, argv, steps=1, configs=["tiny"])
     if args.memory_child:

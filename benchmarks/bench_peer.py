@@ -1,9 +1,15 @@
 """Training step and decode speed against the strongest peers: ours vs torchtitan vs transformers, side by side.
 
-    python -m benchmarks peer [--steps 7] [--configs vocab_32k qwen3_vocab] [--decode] [--compile] [--dry]
+    python -m benchmarks peer [--steps 7] [--configs vocab_32k qwen3_vocab moe_60m] [--decode] [--compile] [--dry]
 
 The same ~42M-parameter Qwen3 (benchmarks/common.py's two configs: `vocab_32k`, 8 layers x 512 at vocab 32,000, and
 `qwen3_vocab`, qwen3_tiny's layers at the real 151,936 vocabulary), batch 4 x 256, fp32, tied embeddings.
+`moe_60m` is a 60.5M-parameter Qwen3-MoE (vocab_32k's attention, every layer 8 experts of 384, top-2,
+normalized top-k weights; 32M parameters activated per token): transformers' Qwen3MoeForCausalLM against
+torchtitan's Qwen3 MoE layers (`_build_qwen3_moe_layers`: its router and grouped experts on torch._grouped_mm;
+no load-balancing bias, and its experts' casts to bf16 taken out: common._grouped_experts_fp32) and ours, which
+also computes its load-balancing loss (router_aux_loss_coef 0.001); transformers' as it ships has none
+(output_router_logits=False).
 transformers' random weights are loaded into all systems, and their logits are checked equal before any
 timing. A training step is forward + backward + gradient clipping + AdamW, each system as it ships:
   ours                   speedllm's Qwen3 with its defaults (loss path, optimizer and clipping of `task=pretrain`,
@@ -50,10 +56,11 @@ OPTIM = OmegaConf.structured(AdamWConfig)  # our defaults; the peers get the sam
 
 
 def hf_model(config: str):
-    from transformers import Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
+    cfg = model_cfg(config)
     torch.manual_seed(0)
-    return Qwen3ForCausalLM(hf_config(model_cfg(config)))
+    return (Qwen3MoeForCausalLM if cfg.num_experts else Qwen3ForCausalLM)(hf_config(cfg))
 
 
 def build(name: str, config: str, hf=None):

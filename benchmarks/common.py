@@ -130,6 +130,9 @@ CONFIGS = {
     "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32),
 }
+# 60.5M parameters (32M activated per token): vocab_32k's attention, every layer 8 experts of 384, top-2
+CONFIGS["moe_60m"] = dict(CONFIGS["vocab_32k"], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=384,
+                          norm_topk_prob=True)
 BATCH, SEQ = 4, 256  # the batch the training comparisons step on
 
 
@@ -157,18 +160,41 @@ def have_torchtitan() -> bool:
     return True
 
 
+def _grouped_experts_fp32(self, x_RD, num_tokens_per_expert_E):
+    """torchtitan's GroupedExperts.forward without its casts to bf16 (it runs the experts in bf16 whatever the
+    model's dtype: logits 0.2 off the fp32 ones, and bf16 matmuls are 50-100x slower on this CPU)."""
+    offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+    h_RF = torch.nn.functional.silu(self._grouped_mm(A=x_RD, B_t=self.w1_EFD.transpose(-2, -1), offs=offsets_E))
+    h_RF = h_RF * self._grouped_mm(A=x_RD, B_t=self.w3_EFD.transpose(-2, -1), offs=offsets_E)
+    return self._grouped_mm(A=h_RF, B_t=self.w2_EDF.transpose(-2, -1), offs=offsets_E)
+
+
 def torchtitan_model(cfg, hf_sd: dict, max_seq_len: int):
     """torchtitan's Qwen3 for our model config `cfg` (its shipped layer builder; SDPA attention, which its
     language models otherwise reserve for other uses), holding the weights of the HF state dict `hf_sd`.
     Built on the current default device."""
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.qwen3 import Qwen3Model, Qwen3StateDictAdapter, _build_qwen3_layers, _qwen3_norm
+    from torchtitan.models.qwen3 import (Qwen3Model, Qwen3StateDictAdapter, _build_qwen3_layers,
+                                         _build_qwen3_moe_layers, _qwen3_norm)
 
-    layers = _build_qwen3_layers(
-        n_layers=cfg.num_hidden_layers, dim=cfg.hidden_size, n_heads=cfg.num_attention_heads,
-        n_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, hidden_dim=cfg.intermediate_size,
-        attn_backend="flex", rope=CosSinRoPE.Config(dim=cfg.head_dim, max_seq_len=max_seq_len, theta=cfg.rope_theta))
+    from speedllm.models.hf_adapter import from_hf_state_dict, to_hf_state_dict
+
+    shape = dict(n_layers=cfg.num_hidden_layers, dim=cfg.hidden_size, n_heads=cfg.num_attention_heads,
+                 n_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, attn_backend="flex",
+                 rope=CosSinRoPE.Config(dim=cfg.head_dim, max_seq_len=max_seq_len, theta=cfg.rope_theta))
+    if cfg.num_experts:
+        layers = _build_qwen3_moe_layers(**shape, moe_hidden_dim=cfg.moe_intermediate_size,
+                                         num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+                                         moe_comm_backend="standard")
+        from torchtitan.models.common.moe import GroupedExperts
+
+        GroupedExperts.forward = _grouped_experts_fp32
+        for layer in layers:
+            layer.moe.load_balance_coeff = None  # its bias is updated by a training hook we do not run
+        hf_sd = to_hf_state_dict(from_hf_state_dict(hf_sd, cfg), cfg)  # experts one by one, as on disk
+    else:
+        layers = _build_qwen3_layers(**shape, hidden_dim=cfg.intermediate_size)
     for layer in layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     config_tt = Qwen3Model.Config(

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from speedllm.errors import UserError
 from speedllm.hardware import DTYPES
 from speedllm.models.config import PROJECTIONS
+from speedllm.native import isa
 from speedllm.ops import IMPLEMENTATIONS
 from speedllm.parallel.rules import divisors, inference_layout_errors, layout_errors, pipeline_batch_errors
 from speedllm.quant import FLOAT8_RECIPES, QUANT_NAMES, TRAINING
@@ -287,7 +288,10 @@ def check_finetune(cfg: DictConfig) -> None:
 
 
 def check_inference(cfg: DictConfig) -> None:
-    """Sampling and evaluation settings of the tasks that run a trained model."""
+    """Sampling and evaluation settings of the tasks that run a trained model, and its weights."""
+    if cfg.checkpoint.load is None and cfg.checkpoint.load_hf is None:
+        raise UserError(f"task={cfg.task.name} needs weights: checkpoint.load=<checkpoint dir> (from a training "
+                        "run) or checkpoint.load_hf=<Hugging Face model dir> (with model=hf)")
     gen = cfg.generate
     rules = [
         (gen.max_new_tokens >= 1, f"generate.max_new_tokens={gen.max_new_tokens} must be >= 1"),
@@ -446,6 +450,7 @@ def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
     if cfg.task.inference:
         check_inference(cfg)
     if cfg.task.name != "plan":
+        isa()  # SPEEDLLM_CPU_ISA, where set, names a kernel path this CPU runs
         check_world(cfg, world_size)
         check_paths(cfg)
         check_outputs(cfg)
