@@ -19,8 +19,7 @@ import json
 
 import torch
 
-from benchmarks.common import (BATCH, CONFIGS, SEQ, batch, in_fresh_process, interleaved, make_parser, model_cfg, parse,
-                               timed)
+from benchmarks.common import BATCH, SEQ, batch, in_fresh_process, interleaved, make_parser, model_cfg, parse, timed
 from speedllm.models import Qwen3
 from speedllm.models.hf_adapter import from_hf_state_dict, hf_config
 from speedllm.train.metrics import flops_per_token, peak_memory_gb
