@@ -20,11 +20,24 @@ class Experts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.up_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        # LoRA adapters on these weights, attached from outside (speedllm.adapters.lora.ExpertLoRA); None: none
+        self.adapter = None
 
     def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor, ops: Ops) -> torch.Tensor:
         """x_ND: token rows sorted by expert, counts_E rows per expert."""
-        h = ops.swiglu(ops.grouped_mm(x_ND, self.gate_proj, counts_E), ops.grouped_mm(x_ND, self.up_proj, counts_E))
-        return ops.grouped_mm(h, self.down_proj, counts_E)
+        return swiglu_experts(x_ND, counts_E, ops, self.gate_proj, self.up_proj, self.down_proj, self.adapter)
+
+
+def swiglu_experts(x_ND: torch.Tensor, counts_E: torch.Tensor, ops: Ops, gate_EID: torch.Tensor,
+                   up_EID: torch.Tensor, down_EDI: torch.Tensor, adapter=None) -> torch.Tensor:
+    """Every expert's SwiGLU over its block of rows, one grouped matmul per projection; `adapter` (an ExpertLoRA)
+    adds its low-rank terms to the projections' outputs, with grouped matmuls of its own."""
+    gate_NI, up_NI = ops.grouped_mm(x_ND, gate_EID, counts_E), ops.grouped_mm(x_ND, up_EID, counts_E)
+    if adapter is not None:
+        gate_NI, up_NI = adapter.gate_up(x_ND, counts_E, ops, gate_NI, up_NI)
+    h_NI = ops.swiglu(gate_NI, up_NI)
+    y_ND = ops.grouped_mm(h_NI, down_EDI, counts_E)
+    return y_ND if adapter is None else adapter.down(h_NI, counts_E, ops, y_ND)
 
 
 class MoE(nn.Module):
