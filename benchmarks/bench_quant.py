@@ -1,9 +1,9 @@
 """Quantized decode speed: fp32 vs int8_wo vs int4_wo, ours vs transformers with the same torchao quantization.
 
-    python benchmarks/bench_quant.py [--sizes 40m 0.6b] [--batches 1 8] [--new-tokens 16] [--repeats 3]
-                                     [--paths native avx2 generic] [--no-transformers]
+    python -m benchmarks quant [--sizes 40m 0.6b] [--batches 1 8] [--new-tokens 16] [--repeats 3]
+                               [--paths native avx2 generic] [--no-transformers] [--dry]
 
-Random weights at two sizes: bench_generate's ~40M Qwen3 and conf/model/qwen3_0.6b.yaml. Every runner works
+Random weights at two sizes: `generate`'s ~40M Qwen3 and conf/model/qwen3_0.6b.yaml. Every runner works
 on the same fp32 weights (shared, not copied; the quantized variants hold only their own quantized tensors),
 greedy, one thread, and all runners of a size take turns within each repeat, so load from other processes
 hits them alike. Decode tokens/s = batch x (N - 1) / (time of N new tokens - time of 1), the median over
@@ -13,21 +13,18 @@ projection, and the embedding's dequantized int8 rows. transformers has no int4 
 CUDA-only mslk kernels.
 --paths runs our int8_wo / int4_wo rows once per CPU kernel path (speedllm.native: `native` is the best this CPU
 supports, the others are forced with SPEEDLLM_CPU_ISA, switched between runs in this one process), all taking
-turns with the same fp32 row; the header names the CPU and its paths.
+turns with the same fp32 row; the header names the CPU and its paths. --dry: the `tiny` size, batch 1.
 """
 
-import argparse
 import os
-import statistics
 import time
 
 import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from benchmarks.common import CONFIGS, decode_rates, hf_greedy, make_parser, ours_greedy, parse
 from speedllm.config.schema import QuantConfig
-from speedllm.generation.engine import generate_ids
-from speedllm.generation.sampling import Sampling
 from speedllm.models import Qwen3, num_params
 from speedllm.models.config import ModelConfig
 from speedllm.models.hf_adapter import from_hf_state_dict, hf_config
@@ -38,9 +35,9 @@ from speedllm.quant.int8 import quantize_int8
 
 PROMPT_LEN = 16
 SIZES = {
-    "40m": dict(name="bench_40m", vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True),
+    "40m": dict(name="bench_40m", **CONFIGS["vocab_32k"], tie_word_embeddings=True),
     "0.6b": None,  # conf/model/qwen3_0.6b.yaml
+    "tiny": dict(name="tiny", **CONFIGS["tiny"], tie_word_embeddings=True),  # --dry
 }
 
 
@@ -97,33 +94,22 @@ def runners(cfg, paths=("native",), transformers=True):
         hf_int8.model.embed_tokens.weight = nn.Parameter(q.float() * scale[:, None], requires_grad=False)
         return hf_int8
 
-    def run_ours(model):
-        return lambda prompt, n: generate_ids(model, prompt.tolist(), n, Sampling(), [], 0, torch.float32)
-
-    def run_hf(model):
-        def generate(prompt, n):
-            with torch.inference_mode():
-                out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
-                                     min_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
-            return out[:, prompt.shape[1]:].tolist()
-        return generate
-
     models = {name: ours(name) for name in ("none", "int8_wo", "int4_wo")}
     print(f"{cfg.name}: {num_params(models['none']) / 1e6:.0f}M parameters")
-    runs = {"ours fp32": run_ours(models["none"]), "ours int8_wo": run_ours(models["int8_wo"]),
-            "ours int4_wo": run_ours(models["int4_wo"])}
+    runs = {"ours fp32": ours_greedy(models["none"]), "ours int8_wo": ours_greedy(models["int8_wo"]),
+            "ours int4_wo": ours_greedy(models["int4_wo"])}
     if transformers:
-        runs = {**runs, "transformers fp32": run_hf(hf), "transformers int8_wo": run_hf(transformers_int8())}
+        runs = {**runs, "transformers fp32": hf_greedy(hf), "transformers int8_wo": hf_greedy(transformers_int8())}
     for path in paths:
         if path != "native":
             for name in ("int8_wo", "int4_wo"):
-                runs[f"ours {name} ({path})"] = on_path(path, run_ours(models[name]))
+                runs[f"ours {name} ({path})"] = on_path(path, ours_greedy(models[name]))
     return runs
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+def main(argv=None) -> None:
+    parser = make_parser(__name__, __doc__)
+    parser.add_argument("--sizes", nargs="+", default=["40m", "0.6b"], choices=list(SIZES))
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
@@ -131,7 +117,7 @@ def main() -> None:
                         help="CPU kernel paths for our quantized rows (native: the best this CPU supports)")
     parser.add_argument("--no-transformers", dest="transformers", action="store_false",
                         help="only our rows")
-    args = parser.parse_args()
+    args = parse(parser, argv, sizes=["tiny"], batches=[1], new_tokens=4, repeats=1)
     torch.set_num_threads(1)
     clock = time.process_time
     print(f"CPU: {cpu_name()}; kernel paths it supports: {', '.join(supported_isas())} (native: "
@@ -141,16 +127,7 @@ def main() -> None:
         runs = runners(cfg, args.paths, args.transformers)
         for batch in args.batches:
             prompt = torch.randint(0, cfg.vocab_size, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
-            times = {name: ([], []) for name in runs}
-            tokens = {}
-            for _ in range(args.repeats):
-                for name, run in runs.items():
-                    for slot, n in enumerate((1, args.new_tokens)):
-                        start = clock()
-                        tokens[name] = run(prompt, n)
-                        times[name][slot].append(clock() - start)
-            rate = {name: batch * (args.new_tokens - 1) / (statistics.median(t[1]) - statistics.median(t[0]))
-                    for name, t in times.items()}
+            rate, tokens = decode_rates(runs, prompt, args.new_tokens, args.repeats, clock, warmup=0)
             print(f"{size} batch {batch}: decode tokens/s (CPU clock, 1 thread)")
             for name in runs:
                 precision = name.split()[1]
@@ -161,7 +138,3 @@ def main() -> None:
                 elif "(" in name:
                     line += f", same tokens as native: {same}"
                 print(line, flush=True)
-
-
-if __name__ == "__main__":
-    main()
