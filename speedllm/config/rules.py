@@ -6,8 +6,10 @@ layouts that break one, and the tests assert the messages. Each message names th
 
 from typing import List, Optional, Sequence
 
-INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
-V_SCHEDULES = ("ZBVZeroBubble",)  # two stages per pipeline rank, placed in a V (speedllm.parallel.pipeline)
+INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # two stages per pipeline rank, placed in a V (speedllm.parallel.pipeline)
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", *V_SCHEDULES)
+OFFLOAD = ("none", "optimizer", "params")  # parallel.offload
 
 
 def divisors(n: int) -> List[int]:
@@ -84,6 +86,35 @@ def layout_errors(model, *, tp: int, pp: int, vpp: int, ep: int, cp: int, dp: in
             errors.append(f"parallel.cp_mode={cp_mode}: {key}={n} must divide the attention heads per tp rank "
                           f"({heads} of model {name}); use {key} in {_set(divisors(heads))} or cp_mode=ring")
     return errors
+
+
+def microbatch_errors(schedule: str, pp: int, num_microbatches: int) -> List[str]:
+    """What keeps a pipeline schedule from running `num_microbatches` per step (parallel.pp_microbatches, or the
+    step's micro-batches per rank when it is 0)."""
+    if pp == 1:
+        return []
+    if schedule == "DualPipeV" and num_microbatches < 2 * pp:
+        return [f"parallel.pp_schedule=DualPipeV needs at least as many micro-batches as stages (2 x parallel.pp = "
+                f"{2 * pp}) but a step has {num_microbatches}; raise parallel.pp_microbatches (or train."
+                f"global_batch_size over train.micro_batch_size x parallel.dp) to {2 * pp}"]
+    return []
+
+
+def offload_errors(offload: str, *, fsdp: bool, finetune: str, optimizer: str) -> List[str]:
+    """parallel.offload moves FSDP2's sharded state to host memory, so it needs FSDP2 sharding (with dp x cp = 1
+    a 1-rank FSDP2 mesh carries it) and an optimizer that updates DTensor parameters."""
+    if offload == "none":
+        return []
+    if not fsdp:
+        return [f"parallel.offload={offload} offloads FSDP2's sharded parameters and optimizer states, but "
+                "parallel.fsdp=false replicates them (DDP-like); set parallel.fsdp=true or parallel.offload=none"]
+    if finetune == "qlora":
+        return [f"parallel.offload={offload} with finetune=qlora: the NF4 base runs in one process without FSDP2; "
+                "use finetune=lora, or parallel.offload=none"]
+    if optimizer.endswith("Adafactor"):
+        return [f"parallel.offload={offload} with optim=adafactor: torch's Adafactor cannot update FSDP2's DTensor "
+                "parameters; use optim=adamw or optim=sgd, or parallel.offload=none"]
+    return []
 
 
 def inference_layout_errors(task: str, *, pp: int, cp: int, ep: int) -> List[str]:

@@ -60,8 +60,12 @@ class ParallelConfig:
     fsdp: bool = True  # shard params/grads/optimizer over dp (FSDP2); False replicates (DDP-like)
     reshard_after_forward: bool = True  # ZeRO-3-like; False keeps gathered params (ZeRO-2-like)
     sequence_parallel: bool = True  # with tp > 1
-    pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | InterleavedZeroBubble | ZBVZeroBubble (vpp=2)
+    # GPipe | 1F1B | Interleaved1F1B | InterleavedZeroBubble | ZBVZeroBubble | DualPipeV (the last two: vpp=2)
+    pp_schedule: str = "1F1B"
     pp_microbatches: int = 0  # 0: one per pipeline stage
+    # none | optimizer (optimizer states in host memory between steps) | params (FSDP2's CPUOffloadPolicy:
+    # sharded parameters, gradients and optimizer states in host memory, the update on the host); docs/offload.md
+    offload: str = "none"
     pp_layers: Optional[List[int]] = None  # explicit layers per stage; None splits evenly
 
 
@@ -75,6 +79,8 @@ class HardwareConfig:
     ops: str = "reference"  # op implementations: reference | cpu | cuda | npu
     dtype: str = "float32"  # compute dtype (bf16 on GPU/NPU with fp32 master weights)
     memory_gb: float = 16.0  # memory per device
+    host_memory_gb: float = 64.0  # host RAM per node the job may use (parallel.offload, train.activation_offload)
+    host_link_bandwidth_gbps: float = 16.0  # host <-> device copies, per device and direction (PCIe)
     peak_tflops: Dict[str, float] = field(default_factory=lambda: {"float32": 0.1, "bfloat16": 0.01})
     memory_bandwidth_gbps: float = 20.0
     intra_node_bandwidth_gbps: float = 10.0
@@ -142,6 +148,9 @@ class TrainConfig:
     eval_steps: int = 5
     grad_clip: float = 1.0
     recompute: str = "none"  # none | selective | full
+    # saved activations of the decoder layers go to host memory in forward and come back for backward
+    # (speedllm.train.offload; docs/offload.md)
+    activation_offload: bool = False
     compile: bool = False
     max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
     stop_after: int = 0  # stop (with a checkpoint) after this many steps in this process; 0: run to train.steps
@@ -311,6 +320,8 @@ class PlanConfig:
     show_rejected: int = 10
     compute_efficiency: float = 0.6  # fraction of peak FLOP/s large matmuls reach (planner's time model)
     memory_margin: float = 0.1  # fraction of device memory the planner leaves for runtime and fragmentation
+    # let the search offload to host memory (parallel.offload, train.activation_offload) when nothing fits without
+    allow_offload: bool = True
 
 
 @dataclass

@@ -10,7 +10,8 @@ from glob import glob
 
 from omegaconf import DictConfig, OmegaConf
 
-from speedllm.config.rules import divisors, inference_layout_errors, layout_errors
+from speedllm.config.rules import (OFFLOAD, PP_SCHEDULES, divisors, inference_layout_errors, layout_errors,
+                                   microbatch_errors, offload_errors)
 from speedllm.errors import UserError
 from speedllm.hardware import DTYPES
 from speedllm.ops import IMPLEMENTATIONS
@@ -23,7 +24,8 @@ CHOICES = {
     "hardware.ops": IMPLEMENTATIONS,
     "hardware.dtype": tuple(DTYPES),
     "parallel.cp_mode": ("allgather", "ring", "ulysses", "hybrid"),
-    "parallel.pp_schedule": ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"),
+    "parallel.pp_schedule": PP_SCHEDULES,
+    "parallel.offload": OFFLOAD,
     "train.recompute": ("none", "selective", "full"),
     "optim.schedule": SCHEDULES,
     "data.format": ("pretrain", "alpaca", "sharegpt", "messages", "pairs"),
@@ -174,6 +176,12 @@ def check_parallel(cfg: DictConfig) -> None:
                            cp_ulysses=p.cp_ulysses, sequence_parallel=p.sequence_parallel or cfg.task.inference)
     if cfg.task.inference:
         errors += inference_layout_errors(cfg.task.name, pp=p.pp, cp=p.cp, ep=p.ep)
+        if p.offload != "none" or cfg.train.activation_offload:
+            errors.append(f"task={cfg.task.name} runs a trained model: parallel.offload={p.offload} and "
+                          f"train.activation_offload={cfg.train.activation_offload} are training levers; leave them "
+                          "at none / false")
+    else:
+        errors += offload_errors(p.offload, fsdp=p.fsdp, finetune=cfg.finetune.name, optimizer=cfg.optim._target_)
     if errors:
         raise UserError(errors[0])
 
@@ -208,6 +216,11 @@ def check_batch(cfg: DictConfig) -> None:
         raise UserError(f"train.seq_len={t.seq_len} exceeds max_position_embeddings={m.max_position_embeddings} of "
                         f"model {m.name}; lower train.seq_len, or extend the model with model.rope_scaling "
                         "(e.g. yarn) and a larger model.max_position_embeddings")
+    if cfg.task.name != "dryrun":
+        num_micro = p.pp_microbatches or t.global_batch_size // (t.micro_batch_size * p.dp)
+        errors = microbatch_errors(p.pp_schedule, p.pp, num_micro)
+        if errors:
+            raise UserError(errors[0])
     if p.cp > 1 and t.seq_len % (2 * p.cp):
         raise UserError(f"train.seq_len={t.seq_len} must be divisible by 2 x parallel.cp = {2 * p.cp} "
                         f"(load-balanced causal chunks); pick a multiple of {2 * p.cp}")

@@ -57,7 +57,7 @@ def build_model(cfg, rt: Runtime) -> ParallelModel:
     """Qwen3 built on the meta device, parallelized, then materialized and initialized on this rank's device."""
     adapt = adapter_fn(cfg.finetune)
     pm = meta_model(cfg, rt, adapt)
-    materialize(pm, rt.dims, rt.device, cfg.seed)
+    materialize(pm, rt.dims, rt.device, cfg.seed, cfg.parallel.offload == "params")
     if adapt is not None:  # the same adapters on every layout, B = 0
         init_adapters(pm.parts, cfg.seed)
     return pm
