@@ -130,9 +130,9 @@ def _parallelize_part(part: nn.Module, dims: ParallelDims, parallel, train, para
         for layer in part.layers.values():
             layer.compile()
     if train.activation_offload:
-        from speedllm.train.offload import apply_activation_offload
+        from speedllm.parallel.offload import apply_activation_offload
 
-        apply_activation_offload(part, device)
+        apply_activation_offload(part)
     # experts replicated over several ranks (e.g. the tp ranks of `tp2`) need FSDP even where dp x cp is 1, and
     # offload is FSDP2's (a 1-rank mesh in a single process)
     if dims.mesh is not None and (dims.dp * dims.cp > 1 or not parallel.fsdp or parallel.offload != "none" or

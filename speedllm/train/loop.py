@@ -29,6 +29,7 @@ from speedllm.finetune.lora import adapter_fn, init_adapters
 from speedllm.hardware import DTYPES
 from speedllm.ops import IGNORE_INDEX
 from speedllm.parallel import ParallelModel, clip_grad_norm, materialize, output_loss_for, parallelize
+from speedllm.parallel.offload import states_to_host, step_with_host_states
 from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.faults import BadSteps, Preemption
 from speedllm.train.metrics import MetricsLogger, flops_per_token, mfu, peak_memory_gb
@@ -126,7 +127,9 @@ def train_step(pm: ParallelModel, optimizer, scheduler, micro_batches, cfg, dp_s
     loss = reported[0] / num_targets + reported[1] / (len(micro_batches) * dp_size)
     grad_norm = clip_grad_norm(pm, cfg.train.grad_clip)
     ok = bool(torch.isfinite(loss) and torch.isfinite(grad_norm))
-    if ok:
+    if ok and cfg.parallel.offload == "optimizer":
+        step_with_host_states(optimizer)
+    elif ok:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     with warnings.catch_warnings():  # torch warns when a skipped update precedes the first scheduler step
@@ -219,6 +222,8 @@ def run(cfg, rt: Runtime) -> None:
     autocast = autocast_for(cfg, pm, rt.device)
 
     step, resume_from = restore(cfg, rt, pm, optimizer, scheduler, loader)
+    if cfg.parallel.offload == "optimizer":  # a checkpoint's states were loaded onto the device
+        states_to_host(optimizer)
     checkpointer = Checkpointer(ck.dir, ck.keep, ck.async_save)
 
     def checkpoint() -> None:
