@@ -137,13 +137,14 @@ class ActivationOffload:
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
-def apply_activation_offload(model: nn.Module) -> None:
+def apply_activation_offload(model: nn.Module) -> ActivationOffload:
     """Offload what every decoder layer of `model` (or of a pipeline stage) saves for backward (one set of hooks
-    per model part; the layers' recompute wrappers included)."""
+    per model part, on the layers' recompute wrappers where there are some); returns the hooks' owner."""
     offload = ActivationOffload()
     for layer in model.layers.values():
         layer.register_forward_pre_hook(offload.enter)
         layer.register_forward_hook(offload.exit, always_call=True)
+    return offload
 
 
 @torch.no_grad()
