@@ -21,7 +21,8 @@ def choose_layout(cfg: DictConfig) -> None:
     if best is None:
         raise UserError(f"parallel=auto: no layout of model {cfg.model.name} fits on {world} x {cfg.hardware.name} "
                         f"(memory_gb={cfg.hardware.memory_gb}); add devices (launcher.nnodes / "
-                        f"launcher.nproc_per_node) or lower train.seq_len, train.global_batch_size")
+                        f"launcher.nproc_per_node) or lower train.seq_len, train.global_batch_size"
+                        + ("" if cfg.plan.allow_offload or not train else ", or allow offload (plan.allow_offload=true)"))
     lay, p = best.layout, cfg.parallel
     p.dp, p.tp, p.pp, p.vpp, p.ep, p.cp = lay.dp, lay.tp, lay.pp, lay.vpp, lay.ep, lay.cp
     p.fsdp, p.pp_schedule, p.offload = lay.fsdp, lay.schedule, lay.offload
