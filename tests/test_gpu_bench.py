@@ -19,7 +19,7 @@ def test_gpu_benchmark_dry_run_writes_a_table_of_right_values(tmp_path):
     by_section = {}
     for section, what, ours, titan, hf, notes in rows:
         by_section.setdefault(section, []).append((what, ours, titan, hf, notes))
-    assert set(by_section) == {"ops", "train", "compiled", "decode", "total"}
+    assert set(by_section) == {"ops", "train", "compiled", "decode", "offload", "total"}
 
     # the cuda op set equals the reference on CPU: fp32 to rounding, bf16 to a few bf16 steps
     assert len(by_section["ops"]) == 11
@@ -40,3 +40,11 @@ def test_gpu_benchmark_dry_run_writes_a_table_of_right_values(tmp_path):
 
     # fp32 greedy decoding: our engine gives transformers' static-cache ids
     assert [notes.endswith("same ids: True") for *_, notes in by_section["decode"]] == [True, True]
+
+    # each offload lever trains the same numbers as none (on CPU the host is the device: nothing moves)
+    offload = by_section["offload"]
+    assert [what.split(", ")[-1] for what, *_ in offload] == ["no offload", "parallel.offload=optimizer",
+                                                             "parallel.offload=params", "train.activation_offload=true"]
+    losses = [float(re.search(r"loss ([0-9.]+)", notes).group(1)) for *_, notes in offload]
+    assert all("s/step" in ours and "GB peak" in ours for _, ours, *_ in offload)
+    assert max(losses) - min(losses) <= 1e-5 * losses[0]
