@@ -134,7 +134,7 @@ def test_offload_params_builds_fsdp2_with_its_cpu_offload_policy():
 
     from speedllm.config.schema import typed
     from speedllm.runtime import init_fake_runtime
-    from speedllm.train.loop import meta_model
+    from speedllm.train.build import meta_model
 
     cfg = typed(compose_config("model=qwen3_tiny", "parallel=fsdp2", "parallel.offload=params", "hardware=cpu",
                                "run_dir=."))

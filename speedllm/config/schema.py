@@ -5,41 +5,12 @@ value of the wrong type is rejected before anything runs. Cross-field rules live
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 from omegaconf import MISSING, OmegaConf
 
-
-@dataclass
-class ModelConfig:
-    """Qwen3 architecture; field names follow transformers' Qwen3Config / Qwen3MoeConfig."""
-
-    name: str = MISSING
-    vocab_size: int = MISSING
-    hidden_size: int = MISSING
-    intermediate_size: int = MISSING
-    num_hidden_layers: int = MISSING
-    num_attention_heads: int = MISSING
-    num_key_value_heads: int = MISSING
-    head_dim: int = 128
-    max_position_embeddings: int = 40960
-    rope_theta: float = 1_000_000.0
-    # RoPE scaling as transformers' rope_parameters without rope_theta, e.g. {rope_type: yarn, factor: 4.0,
-    # original_max_position_embeddings: 32768}; rope_type: linear | dynamic | yarn. None: plain RoPE.
-    rope_scaling: Any = None  # a dict (typed as Any so conf/model/hf.yaml can interpolate it)
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    initializer_range: float = 0.02
-    # MoE (num_experts == 0 means dense)
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = True
-    decoder_sparse_step: int = 1
-    mlp_only_layers: List[int] = field(default_factory=list)
-    router_aux_loss_coef: float = 0.001
-    # default tokenizer directory for this model (data.tokenizer defaults to it)
-    tokenizer: str = "${asset:tokenizers/qwen3}"
+from speedllm.hardware import HardwareConfig
+from speedllm.models.config import PROJECTIONS, ModelConfig
 
 
 @dataclass
@@ -70,28 +41,6 @@ class ParallelConfig:
 
 
 @dataclass
-class HardwareConfig:
-    """A device profile: what to run on and how fast it is (used for MFU and the planner)."""
-
-    name: str = "auto"
-    device: str = "cpu"  # cpu | cuda | npu
-    backend: str = "gloo"  # gloo | nccl | hccl
-    ops: str = "reference"  # op implementations: reference | cpu | cuda | npu
-    dtype: str = "float32"  # compute dtype (bf16 on GPU/NPU with fp32 master weights)
-    memory_gb: float = 16.0  # memory per device
-    host_memory_gb: float = 64.0  # host RAM per node the job may use (parallel.offload, train.activation_offload)
-    host_link_bandwidth_gbps: float = 16.0  # host <-> device copies, per device and direction (PCIe)
-    host_memory_bandwidth_gbps: float = 100.0  # host RAM per node (the update of offloaded parameters runs there)
-    peak_tflops: Dict[str, float] = field(default_factory=lambda: {"float32": 0.1, "bfloat16": 0.01})
-    memory_bandwidth_gbps: float = 20.0
-    intra_node_bandwidth_gbps: float = 10.0
-    inter_node_bandwidth_gbps: float = 1.0
-    devices_per_node: int = 8
-    env: Dict[str, str] = field(default_factory=dict)
-    float8: bool = False  # float8 matmuls (NVIDIA SM 8.9+: H100/H200/L40/RTX 40xx); gates quant=float8
-
-
-@dataclass
 class QuantConfig:
     """quant=: weight quantization for inference, low-precision or quantization-aware training (speedllm.quant)."""
 
@@ -106,7 +55,7 @@ class TaskConfig:
     """What the run does: conf/task/<name>.yaml names the callable `_target_(cfg, rt)` that runs it."""
 
     name: str = "pretrain"  # pretrain | sft | dpo | generate | chat | serve | evaluate | preprocess | convert | plan | dryrun | doctor
-    _target_: str = "speedllm.train.loop.run"
+    _target_: str = "speedllm.tasks.pretrain.run"
     # planning or converting between machines: one process, no devices (the world size is not launched)
     in_process: bool = False
     # runs a trained model (tensor + data parallel layouts only; training-only rules do not apply)
@@ -150,7 +99,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     recompute: str = "none"  # none | selective | full
     # saved activations of the decoder layers go to host memory in forward and come back for backward
-    # (speedllm.train.offload; docs/offload.md)
+    # (speedllm.parallel.offload; docs/offload.md)
     activation_offload: bool = False
     compile: bool = False
     max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
@@ -305,8 +254,7 @@ class FinetuneConfig:
     alpha: float = 16.0  # adapters are scaled by alpha / rank, as in PEFT
     dropout: float = 0.0
     # module names (the last part of the name, as PEFT's target_modules) to adapt
-    targets: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                        "up_proj", "down_proj"])
+    targets: List[str] = field(default_factory=lambda: list(PROJECTIONS))
     adapter: Optional[str] = None  # a PEFT adapter directory to start from
 
 

@@ -10,11 +10,12 @@ from glob import glob
 
 from omegaconf import DictConfig, OmegaConf
 
-from speedllm.config.rules import (OFFLOAD, PP_SCHEDULES, divisors, inference_layout_errors, layout_errors,
-                                   microbatch_errors, offload_errors)
 from speedllm.errors import UserError
 from speedllm.hardware import DTYPES
+from speedllm.models.config import PROJECTIONS
 from speedllm.ops import IMPLEMENTATIONS
+from speedllm.parallel.rules import (OFFLOAD, PP_SCHEDULES, divisors, inference_layout_errors, layout_errors,
+                                     microbatch_errors, offload_errors)
 from speedllm.quant import FLOAT8_RECIPES, QUANT_NAMES, TRAINING
 from speedllm.train.schedule import SCHEDULES
 
@@ -38,7 +39,7 @@ CHOICES = {
     "finetune.name": ("full", "lora", "qlora"),
     "evaluate.split": ("train", "valid", "test"),
 }
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = PROJECTIONS
 
 
 def _at_least(low):
@@ -288,7 +289,7 @@ def check_finetune(cfg: DictConfig) -> None:
         raise UserError(f"finetune=qlora runs in one process (NF4 base); use parallel=single, or finetune=lora for "
                         f"{p.name}")
     if ft.adapter is not None:
-        from speedllm.finetune.peft import read_peft_config
+        from speedllm.adapters.peft import read_peft_config
 
         read_peft_config(ft.adapter, ft)
 

@@ -147,6 +147,14 @@ def apply_activation_offload(model: nn.Module) -> ActivationOffload:
     return offload
 
 
+def optimizer_step(optimizer: torch.optim.Optimizer, offload: str) -> None:
+    """optimizer.step(); under parallel.offload=optimizer with its states kept in host memory."""
+    if offload == "optimizer":
+        step_with_host_states(optimizer)
+    else:
+        optimizer.step()
+
+
 @torch.no_grad()
 def states_to_host(optimizer: torch.optim.Optimizer) -> None:
     """Move every optimizer state tensor to (pinned) host memory, e.g. after a checkpoint loaded them."""
