@@ -94,7 +94,7 @@ def test_dryrun_command_prints_one_line_per_rank(launch, tmp_path):
 def test_offload_ranks_hold_the_planned_bytes_on_device_and_host(config, offload):
     """parallel.offload moves what FSDP2 shards (all of it, or the optimizer states) to the host: the dry run
     prints the rank's bytes on each side, equal to the planner's."""
-    from speedllm.dryrun import line
+    from speedllm.tasks.dryrun import line
 
     cfg = config("model=qwen3_tiny", "parallel=fsdp2", f"parallel.offload={offload}", world=2)
     r = build_rank(cfg, 1, 2)
