@@ -89,9 +89,9 @@ RULES = [
      "parallel.vpp=2 needs an interleaved schedule; set parallel.pp_schedule to one of Interleaved1F1B, "
      "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV (or vpp=1)"),
     (["parallel=pp2_vpp2", "parallel.pp_schedule=DualPipeV", "train.global_batch_size=4", "task=doctor"],
-     "parallel.pp_schedule=DualPipeV needs at least as many micro-batches as stages (2 x parallel.pp = 4) but a step "
-     "has 1; raise parallel.pp_microbatches (or train.global_batch_size over train.micro_batch_size x parallel.dp) "
-     "to 4"),
+     "parallel.pp_schedule=DualPipeV over 4 stages needs at least 4 micro-batches per step, but "
+     "train.global_batch_size=4 / (train.micro_batch_size=4 x parallel.dp=1) gives 1; raise train.global_batch_size "
+     "to 16, lower train.micro_batch_size, or set parallel.pp_microbatches=4"),
     (["parallel=pp2", "parallel.pp_schedule=DualPipeV", "task=doctor"],
      "parallel.pp_schedule=DualPipeV places two stages per rank in a V; set parallel.vpp=2"),
     (["parallel.offload=disk", "task=doctor"], "parallel.offload=disk is not one of none, optimizer, params; pick one "

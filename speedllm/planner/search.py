@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 from omegaconf import OmegaConf
 
 from speedllm.hardware import DTYPES
-from speedllm.parallel.rules import divisors, layout_errors, microbatch_errors
+from speedllm.parallel.rules import divisors, layout_errors, pipeline_batch_errors
 from speedllm.planner.layout import Layout, stage_layers
 from speedllm.planner.memory import (
     GIB,
@@ -167,7 +167,8 @@ class Planner:
             return "fewer micro-batches than pipeline stages"
         if layout.vpp > 1 and num_micro % layout.pp:
             return "interleaved pipeline needs micro-batches divisible by pp"
-        errors = microbatch_errors(layout.schedule, layout.pp, num_micro)
+        errors = pipeline_batch_errors(pp=layout.pp, vpp=layout.vpp, schedule=layout.schedule, pp_microbatches=0,
+                                       global_batch=p.global_batch, micro_batch=layout.micro_batch, dp=layout.dp)
         if layout.offload != "none" and not layout.fsdp:
             errors.append("offload needs FSDP2 (parallel.fsdp=true)")
         return errors[0] if errors else None
