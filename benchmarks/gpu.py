@@ -22,11 +22,7 @@ Sections (each row of the table says what it measured):
 Rows are written as they finish, so a run cut short still leaves its table; --budget-s skips what would not fit.
 """
 
-<<<<<<< HEAD
-import argparse
 import json
-=======
->>>>>>> main
 import os
 import statistics
 import subprocess
@@ -277,7 +273,6 @@ def decode_rows(table: Table, device, dry: bool, deadline: float) -> None:
                   f"x{speed['ours'] / speed['transformers']:.2f}, same ids: {same}")
 
 
-<<<<<<< HEAD
 OFFLOAD_LEVERS = {"no offload": [], "parallel.offload=optimizer": ["parallel.offload=optimizer"],
                   "parallel.offload=params": ["parallel.offload=params"],
                   "train.activation_offload=true": ["train.activation_offload=true"]}
@@ -311,13 +306,8 @@ def offload_rows(table: Table, dry: bool, deadline: float) -> None:
                   f"x{last['peak_mem_gb'] / baseline[1]:.2f} memory of no offload")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dry", action="store_true", help="CPU, tiny models: check the script end to end")
-=======
 def main(argv=None) -> None:
     parser = make_parser(__name__, __doc__)
->>>>>>> main
     parser.add_argument("--out", default="gpu_results.md")
     parser.add_argument("--budget-s", type=float, default=450.0, help="skip sections that start after this")
     args = parse(parser, argv)  # --dry: CPU, tiny models, the same code path
