@@ -16,13 +16,18 @@ Sections (each row of the table says what it measured):
             training and an sm89+ GPU are there, with float8 linears in the decoder layers; compile time beside.
   decode    greedy decode tokens/s of qwen3_0.6b in bf16 at batch 1 and 8, ours vs transformers' static-cache
             `generate` on the same weights.
+  offload   qwen3_1.7b trained on one GPU through `launch.py` as a user runs it (batch 4 x 2048, 12 steps), without
+            offload and with each lever of docs/offload.md: step time of the last 6 steps, peak allocated device
+            memory (train/metrics.py's peak_mem_gb) and the loss of the first 6 steps (the same for every lever).
 Rows are written as they finish, so a run cut short still leaves its table; --budget-s skips what would not fit.
 """
 
+import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -268,6 +273,39 @@ def decode_rows(table: Table, device, dry: bool, deadline: float) -> None:
                   f"x{speed['ours'] / speed['transformers']:.2f}, same ids: {same}")
 
 
+OFFLOAD_LEVERS = {"no offload": [], "parallel.offload=optimizer": ["parallel.offload=optimizer"],
+                  "parallel.offload=params": ["parallel.offload=params"],
+                  "train.activation_offload=true": ["train.activation_offload=true"]}
+
+
+def offload_rows(table: Table, dry: bool, deadline: float) -> None:
+    """Each offload lever against none: a short training run through launch.py on one device, read back from
+    its metrics.jsonl (the second logging window: steps after the first, compiled and warmed up)."""
+    seq, batch, steps = (32, 2, 4) if dry else (2048, 4, 12)
+    model = ["model=qwen3_tiny", "model.num_hidden_layers=2", "hardware=cpu"] if dry else ["model=qwen3_1.7b"]
+    run = [*model, f"train.seq_len={seq}", f"train.micro_batch_size={batch}", f"train.global_batch_size={batch}",
+           f"train.steps={steps}", f"train.log_every={steps // 2}", "train.eval_every=0", "checkpoint.save_final=false",
+           "generate.num_samples=0", "logging.tensorboard=false", "logging.progress_bar=false"]
+    baseline = None
+    for label, lever in OFFLOAD_LEVERS.items():
+        what = f"{model[0].split('=')[1]}, {batch}x{seq}, 1 device, {label}"
+        if time.monotonic() > deadline:
+            table.row("offload", what, "skipped (time budget)", "-", "-", "")
+            continue
+        with tempfile.TemporaryDirectory() as run_dir:
+            proc = subprocess.run([sys.executable, str(REPO / "launch.py"), f"hydra.run.dir={run_dir}", *run, *lever],
+                                  capture_output=True, text=True, cwd=run_dir)
+            if proc.returncode != 0:
+                table.row("offload", what, "failed", "-", "-", proc.stderr.strip().splitlines()[-1][:200])
+                continue
+            first, last = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+        step_s = batch * seq / last["tokens_per_s"]
+        baseline = baseline or (step_s, last["peak_mem_gb"])
+        table.row("offload", what, f"{step_s:.3f} s/step, {last['peak_mem_gb']:.2f} GB peak", "-", "-",
+                  f"loss {first['loss']:.5f}; x{step_s / baseline[0]:.2f} time, "
+                  f"x{last['peak_mem_gb'] / baseline[1]:.2f} memory of no offload")
+
+
 def main(argv=None) -> None:
     parser = make_parser(__name__, __doc__)
     parser.add_argument("--out", default="gpu_results.md")
@@ -290,5 +328,6 @@ def main(argv=None) -> None:
         ops_rows(table, device, args.dry)
     train_rows(table, device, args.dry, systems, deadline)
     decode_rows(table, device, args.dry, deadline)
+    offload_rows(table, args.dry, deadline)
     table.row("total", "wall time of this run", f"{time.monotonic() - start:.0f} s", "-", "-",
               f"table in {os.path.abspath(args.out)}")

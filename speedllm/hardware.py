@@ -24,6 +24,9 @@ class HardwareConfig:
     ops: str = "reference"  # op implementations: reference | cpu | cuda | npu
     dtype: str = "float32"  # compute dtype (bf16 on GPU/NPU with fp32 master weights)
     memory_gb: float = 16.0  # memory per device
+    host_memory_gb: float = 64.0  # host RAM per node the job may use (parallel.offload, train.activation_offload)
+    host_link_bandwidth_gbps: float = 16.0  # host <-> device copies, per device and direction (PCIe)
+    host_memory_bandwidth_gbps: float = 100.0  # host RAM per node (the update of offloaded parameters runs there)
     peak_tflops: Dict[str, float] = field(default_factory=lambda: {"float32": 0.1, "bfloat16": 0.01})
     memory_bandwidth_gbps: float = 20.0
     intra_node_bandwidth_gbps: float = 10.0

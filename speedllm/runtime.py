@@ -77,11 +77,16 @@ def init_runtime(cfg: DictConfig, distributed: bool = True) -> Runtime:
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if distributed else 0
     device = device_for(cfg, local_rank)
     mesh = None
-    if world_size > 1:
+    # offload is FSDP2's, which needs a mesh: a single process gets a 1-rank group (an in-memory store)
+    if world_size > 1 or cfg.parallel.offload != "none":
         if not dist.is_initialized():
             timeout = datetime.timedelta(minutes=10)
-            store = _attempt_store(rank, world_size, timeout)
-            dist.init_process_group(cfg.hardware.backend, timeout=timeout, store=store, rank=rank,
+            store = _attempt_store(rank, world_size, timeout) if world_size > 1 else dist.HashStore()
+            backend = cfg.hardware.backend
+            if cfg.parallel.offload == "params" and device.type != "cpu":
+                # gradients and their norm live in host memory: their collectives need a CPU backend beside
+                backend = f"{device.type}:{backend},cpu:gloo"
+            dist.init_process_group(backend, timeout=timeout, store=store, rank=rank,
                                     world_size=world_size, device_id=device if device.type != "cpu" else None)
         mesh = build_mesh(cfg.parallel, device.type)
     seed_everything(cfg.seed)

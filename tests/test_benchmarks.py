@@ -36,7 +36,7 @@ HEADERS = {
     "varlen": "| path | step CPU s (median) | peak tensor MiB |",
 }
 # several processes (spawned ranks, launch.py runs, a server) or a minute and more on a 2-core CPU
-SLOW = {"cp_memory", "fsdp_memory", "init", "peer", "planner", "qat_vs_ptq", "qlora", "quant_memory",
+SLOW = {"cp_memory", "fsdp_memory", "gpu", "init", "peer", "planner", "qat_vs_ptq", "qlora", "quant_memory",
         "quant_quality", "quant_tp", "serve", "train"}
 # optional dependencies (the `test` extras have them all): without one, its benchmarks are skipped
 NEEDS = {"qat_vs_ptq": "torchao", "qlora": "torchao", "quant": "torchao", "quant_memory": "torchao",
@@ -70,7 +70,7 @@ def check_gpu_table(path):
     by_section = {}
     for section, what, ours, titan, hf, notes in rows:
         by_section.setdefault(section, []).append((what, ours, titan, hf, notes))
-    assert set(by_section) == {"ops", "train", "compiled", "decode", "total"}
+    assert set(by_section) == {"ops", "train", "compiled", "decode", "offload", "total"}
 
     # the cuda op set equals the reference on CPU: fp32 to rounding, bf16 to a few bf16 steps
     assert len(by_section["ops"]) == 11
@@ -91,6 +91,14 @@ def check_gpu_table(path):
 
     # fp32 greedy decoding: our engine gives transformers' static-cache ids
     assert [notes.endswith("same ids: True") for *_, notes in by_section["decode"]] == [True, True]
+
+    # each offload lever trains the same numbers as none (on CPU the host is the device: nothing moves)
+    offload = by_section["offload"]
+    assert [what.split(", ")[-1] for what, *_ in offload] == ["no offload", "parallel.offload=optimizer",
+                                                             "parallel.offload=params", "train.activation_offload=true"]
+    losses = [float(re.search(r"loss ([0-9.]+)", notes).group(1)) for *_, notes in offload]
+    assert all("s/step" in ours and "GB peak" in ours for _, ours, *_ in offload)
+    assert max(losses) - min(losses) <= 1e-5 * losses[0]
 
 
 def test_list_names_every_benchmark_with_its_summary(tmp_path):

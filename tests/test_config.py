@@ -87,7 +87,24 @@ RULES = [
      "model qwen3_0.6b"),
     (["parallel=pp2", "parallel.vpp=2", "task=doctor"],
      "parallel.vpp=2 needs an interleaved schedule; set parallel.pp_schedule to one of Interleaved1F1B, "
-     "InterleavedZeroBubble, ZBVZeroBubble (or vpp=1)"),
+     "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV (or vpp=1)"),
+    (["parallel=pp2_vpp2", "parallel.pp_schedule=DualPipeV", "train.global_batch_size=4", "task=doctor"],
+     "parallel.pp_schedule=DualPipeV over 4 stages needs at least 4 micro-batches per step, but "
+     "train.global_batch_size=4 / (train.micro_batch_size=4 x parallel.dp=1) gives 1; raise train.global_batch_size "
+     "to 16, lower train.micro_batch_size, or set parallel.pp_microbatches=4"),
+    (["parallel=pp2", "parallel.pp_schedule=DualPipeV", "task=doctor"],
+     "parallel.pp_schedule=DualPipeV places two stages per rank in a V; set parallel.vpp=2"),
+    (["parallel.offload=disk", "task=doctor"], "parallel.offload=disk is not one of none, optimizer, params; pick one "
+     "of them"),
+    (["parallel=dp2", "parallel.fsdp=false", "parallel.offload=params", "task=doctor"],
+     "parallel.offload=params offloads FSDP2's sharded parameters and optimizer states, but parallel.fsdp=false "
+     "replicates them (DDP-like); set parallel.fsdp=true or parallel.offload=none"),
+    (["parallel.offload=optimizer", "optim=adafactor", "task=doctor"],
+     "parallel.offload=optimizer with optim=adafactor: torch's Adafactor cannot update FSDP2's DTensor parameters; "
+     "use optim=adamw or optim=sgd, or parallel.offload=none"),
+    (["train.activation_offload=true", "task=generate", "generate.prompt=hi"],
+     "task=generate runs a trained model: parallel.offload=none and train.activation_offload=True are training "
+     "levers; leave them at none / false"),
     (["parallel=ep2", "task=doctor"], "parallel.ep=2 needs a MoE model but qwen3_tiny is dense; set parallel.ep=1"),
     (["model=qwen3_moe_tiny", "parallel=ep2", "parallel.ep=3", "parallel.dp=3", "task=doctor"],
      "parallel.ep=3 does not divide num_experts=8 of model qwen3_moe_tiny; use ep in {1, 2, 4, 8}"),

@@ -88,3 +88,18 @@ def test_dryrun_command_prints_one_line_per_rank(launch, tmp_path):
     code, _, err = launch(tmp_path / "bad", "task=dryrun", "model=qwen3_moe_tiny", "parallel=ep2", "parallel.dp=-1",
                           "hardware=cpu", "launcher.nproc_per_node=32", "dryrun.ranks=[32]")
     assert code == 2 and "dryrun.ranks: rank 32 is not in the 32-rank job" in err
+
+
+@pytest.mark.parametrize("offload", ["params", "optimizer"])
+def test_offload_ranks_hold_the_planned_bytes_on_device_and_host(config, offload):
+    """parallel.offload moves what FSDP2 shards (all of it, or the optimizer states) to the host: the dry run
+    prints the rank's bytes on each side, equal to the planner's."""
+    from speedllm.tasks.dryrun import line
+
+    cfg = config("model=qwen3_tiny", "parallel=fsdp2", f"parallel.offload={offload}", world=2)
+    r = build_rank(cfg, 1, 2)
+    text = line(r)
+    assert (r.params, r.grads, r.optimizer) == r.planned
+    assert text.endswith("= task=plan's exact bytes")
+    device = "params 0.000 MiB grads 0.000 MiB" if offload == "params" else "optimizer 0.000 MiB | host: params 0.000 MiB"
+    assert device in text

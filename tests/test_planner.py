@@ -132,3 +132,88 @@ def test_parallel_auto_for_generation_splits_only_what_does_not_fit():
     OmegaConf.set_struct(cfg, False)
     choose_layout(cfg)  # 32.8B bf16 weights (61 GiB) do not fit one 64 GiB NPU, half of them do
     assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp) == (2, 1, 1)
+
+
+QWEN3_8B_ON_ONE_H100 = ["model=qwen3_8b", "hardware=h100", "launcher.nproc_per_node=1", "train.seq_len=4096",
+                        "train.global_batch_size=8"]
+
+
+def overrides_of(short: str) -> list:
+    """The command-line overrides of a Layout.short() name (as task=plan prints it), e.g. `tp1 pp1 dp1 mb8 full
+    offload-optimizer act-offload`."""
+    out = ["train.activation_offload=false"]
+    for part in short.split():
+        for prefix, key in (("tp", "parallel.tp"), ("pp", "parallel.pp"), ("vpp", "parallel.vpp"),
+                            ("dp", "parallel.dp"), ("ep", "parallel.ep"), ("mb", "train.micro_batch_size")):
+            if part.startswith(prefix) and part[len(prefix):].isdigit():
+                out.append(f"{key}={part[len(prefix):]}")
+        if part in ("none", "selective", "full"):
+            out.append(f"train.recompute={part}")
+        if part.startswith("offload-"):
+            out.append(f"parallel.offload={part[len('offload-'):]}")
+        if part == "act-offload":
+            out[0] = "train.activation_offload=true"
+    return out
+
+
+def test_plan_offloads_qwen3_8b_on_one_h100_with_the_dry_runs_device_bytes(tmp_path, launch):
+    """Full training of an 8B model needs ~16 bytes a parameter (fp32 weights, gradients, two AdamW moments):
+    ~122 GiB before activations, more than an 80 GB H100. The plan offloads, and the dry run of its choice holds
+    the bytes it printed, on the device and on the host."""
+    code, out, err = launch(tmp_path / "plan", "task=plan", *QWEN3_8B_ON_ONE_H100, timeout=180)
+    assert code == 0, err
+    lines = out.splitlines()
+    first = next(line for line in lines if line.split()[:1] == ["1"])
+    layout = first[5:53].strip()
+    assert "offload-" in layout or "act-offload" in layout, first
+    planned = next(line for line in lines if line.startswith("#1 on pp rank 0: ")).split(": ", 1)[1]
+    code, out, err = launch(tmp_path / "dryrun", "task=dryrun", *QWEN3_8B_ON_ONE_H100, *overrides_of(layout),
+                            timeout=180)
+    assert code == 0, err
+    rank0 = next(line for line in out.splitlines() if line.startswith("rank 0 "))
+    assert f"| {planned} | = task=plan's exact bytes" in rank0, (planned, rank0)
+
+
+def test_without_offload_nothing_fits_qwen3_8b_on_one_h100(tmp_path, launch):
+    code, out, err = launch(tmp_path, "task=plan", *QWEN3_8B_ON_ONE_H100, "plan.allow_offload=false", timeout=180)
+    assert code == 0, err
+    assert "0 fit" in out.splitlines()[0]
+    assert "no layout fits (offload was not considered (plan.allow_offload=false))" in out
+    cfg = compose_config(*QWEN3_8B_ON_ONE_H100, "parallel=auto", "plan.allow_offload=false")
+    OmegaConf.set_struct(cfg, False)
+    with pytest.raises(Exception, match="or allow offload \\(plan.allow_offload=true\\)"):
+        choose_layout(cfg)
+
+
+def test_offload_moves_device_bytes_to_the_host_and_charges_the_copies():
+    """The memory model moves exactly the offloaded components to the host; the time model charges the optimizer
+    states' round trip at the host link and the host's update of offloaded parameters."""
+    from dataclasses import replace
+
+    problem = problem_from_config(compose_config(*QWEN3_8B_ON_ONE_H100), 1)
+    planner = Planner(problem)
+    base = Layout(micro_batch=8, recompute="full")
+    plain = planner.estimate(base).memory
+    params = planner.estimate(replace(base, offload="params"))
+    optimizer = planner.estimate(replace(base, offload="optimizer"))
+    activations = planner.estimate(replace(base, offload="optimizer", activation_offload=True))
+    assert (params.memory.params, params.memory.grads, params.memory.optimizer) == (0, 0, 0)
+    assert params.memory.host == plain.params + plain.grads + plain.optimizer
+    assert optimizer.memory.optimizer == 0 and optimizer.memory.host == plain.optimizer
+    assert optimizer.memory.params == plain.params
+    assert activations.memory.activations < optimizer.memory.activations
+    assert activations.memory.host == plain.optimizer + activations.memory.host_activations > plain.optimizer
+    hw = problem.hardware
+    round_trip = 2 * plain.optimizer / (hw.host_link_bandwidth_gbps * 1e9)
+    assert optimizer.time.offload == pytest.approx(round_trip)
+    assert optimizer.time.total > planner.estimate(base).time.total
+    # the update of offloaded parameters runs at the host's memory bandwidth, not the device's
+    assert params.time.optimizer > planner.estimate(base).time.optimizer
+
+
+def test_host_memory_is_a_constraint():
+    cfg = compose_config(*QWEN3_8B_ON_ONE_H100, "hardware.host_memory_gb=32")
+    planner = Planner(problem_from_config(cfg, 1))
+    est = planner.estimate(Layout(micro_batch=8, recompute="full", offload="optimizer"))
+    assert not est.fits and "of host memory per device" in est.reason
+    assert planner.search().best is None  # 61 GiB of AdamW states alone exceed 32 GB of host RAM

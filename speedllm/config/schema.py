@@ -31,8 +31,12 @@ class ParallelConfig:
     fsdp: bool = True  # shard params/grads/optimizer over dp (FSDP2); False replicates (DDP-like)
     reshard_after_forward: bool = True  # ZeRO-3-like; False keeps gathered params (ZeRO-2-like)
     sequence_parallel: bool = True  # with tp > 1
-    pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | InterleavedZeroBubble | ZBVZeroBubble (vpp=2)
+    # GPipe | 1F1B | Interleaved1F1B | InterleavedZeroBubble | ZBVZeroBubble | DualPipeV (the last two: vpp=2)
+    pp_schedule: str = "1F1B"
     pp_microbatches: int = 0  # 0: one per pipeline stage
+    # none | optimizer (optimizer states in host memory between steps) | params (FSDP2's CPUOffloadPolicy:
+    # sharded parameters, gradients and optimizer states in host memory, the update on the host); docs/offload.md
+    offload: str = "none"
     pp_layers: Optional[List[int]] = None  # explicit layers per stage; None splits evenly
 
 
@@ -94,6 +98,9 @@ class TrainConfig:
     eval_steps: int = 5
     grad_clip: float = 1.0
     recompute: str = "none"  # none | selective | full
+    # saved activations of the decoder layers go to host memory in forward and come back for backward
+    # (speedllm.parallel.offload; docs/offload.md)
+    activation_offload: bool = False
     compile: bool = False
     max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
     stop_after: int = 0  # stop (with a checkpoint) after this many steps in this process; 0: run to train.steps
@@ -264,6 +271,8 @@ class PlanConfig:
     show_rejected: int = 10
     compute_efficiency: float = 0.6  # fraction of peak FLOP/s large matmuls reach (planner's time model)
     memory_margin: float = 0.1  # fraction of device memory the planner leaves for runtime and fragmentation
+    # let the search offload to host memory (parallel.offload, train.activation_offload) when nothing fits without
+    allow_offload: bool = True
 
 
 @dataclass

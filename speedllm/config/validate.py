@@ -15,7 +15,8 @@ from speedllm.hardware import DTYPES
 from speedllm.models.config import PROJECTIONS
 from speedllm.native import isa
 from speedllm.ops import IMPLEMENTATIONS
-from speedllm.parallel.rules import divisors, inference_layout_errors, layout_errors, pipeline_batch_errors
+from speedllm.parallel.rules import (OFFLOAD, PP_SCHEDULES, divisors, inference_layout_errors, layout_errors,
+                                     offload_errors, pipeline_batch_errors)
 from speedllm.quant import FLOAT8_RECIPES, QUANT_NAMES, TRAINING
 from speedllm.train.schedule import SCHEDULES
 
@@ -25,7 +26,8 @@ CHOICES = {
     "hardware.ops": IMPLEMENTATIONS,
     "hardware.dtype": tuple(DTYPES),
     "parallel.cp_mode": ("allgather", "ring", "ulysses", "hybrid"),
-    "parallel.pp_schedule": ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"),
+    "parallel.pp_schedule": PP_SCHEDULES,
+    "parallel.offload": OFFLOAD,
     "train.recompute": ("none", "selective", "full"),
     "optim.schedule": SCHEDULES,
     "data.format": ("pretrain", "alpaca", "sharegpt", "messages", "pairs"),
@@ -176,6 +178,12 @@ def check_parallel(cfg: DictConfig) -> None:
                            cp_ulysses=p.cp_ulysses, sequence_parallel=p.sequence_parallel or cfg.task.inference)
     if cfg.task.inference:
         errors += inference_layout_errors(cfg.task.name, pp=p.pp, cp=p.cp, ep=p.ep)
+        if p.offload != "none" or cfg.train.activation_offload:
+            errors.append(f"task={cfg.task.name} runs a trained model: parallel.offload={p.offload} and "
+                          f"train.activation_offload={cfg.train.activation_offload} are training levers; leave them "
+                          "at none / false")
+    else:
+        errors += offload_errors(p.offload, fsdp=p.fsdp, finetune=cfg.finetune.name, optimizer=cfg.optim._target_)
     if errors:
         raise UserError(errors[0])
 

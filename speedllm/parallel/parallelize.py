@@ -129,10 +129,16 @@ def _parallelize_part(part: nn.Module, dims: ParallelDims, parallel, train, para
     if train.compile:
         for layer in part.layers.values():
             layer.compile()
-    # experts replicated over several ranks (e.g. the tp ranks of `tp2`) need FSDP even where dp x cp is 1
-    if dims.mesh is not None and (dims.dp * dims.cp > 1 or not parallel.fsdp or
+    if train.activation_offload:
+        from speedllm.parallel.offload import apply_activation_offload
+
+        apply_activation_offload(part)
+    # experts replicated over several ranks (e.g. the tp ranks of `tp2`) need FSDP even where dp x cp is 1, and
+    # offload is FSDP2's (a 1-rank mesh in a single process)
+    if dims.mesh is not None and (dims.dp * dims.cp > 1 or not parallel.fsdp or parallel.offload != "none" or
                                   expert_mesh is not None and expert_mesh.size() > 1):
-        apply_fsdp(part, dims, param_dtype, parallel.fsdp, parallel.reshard_after_forward, expert_mesh)
+        apply_fsdp(part, dims, param_dtype, parallel.fsdp, parallel.reshard_after_forward, expert_mesh,
+                   offload_params=parallel.offload == "params")
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, parallel, train, param_dtype: torch.dtype,
@@ -164,9 +170,11 @@ def parallelize(model: nn.Module, dims: ParallelDims, parallel, train, param_dty
     return ParallelModel(rank_module, [module for _, module in stages], pipeline)
 
 
-def materialize(pm: ParallelModel, dims: ParallelDims, device: torch.device, seed: int) -> None:
-    """Allocate this rank's parameters on its device and give them the single-process initial weights of `seed`
-    (each rank draws only its own shards: speedllm.parallel.weights). Adapters get their own values afterwards
+def materialize(pm: ParallelModel, dims: ParallelDims, device: torch.device, seed: int,
+                offload_params: bool = False) -> None:
+    """Allocate this rank's parameters on its device (on the host under parallel.offload=params: FSDP2 copies
+    them over per unit) and give them the single-process initial weights of `seed` (each rank draws only its own
+    shards: speedllm.parallel.weights). Adapters get their own values afterwards
     (speedllm.adapters.lora.init_adapters)."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -174,7 +182,7 @@ def materialize(pm: ParallelModel, dims: ParallelDims, device: torch.device, see
     from speedllm.parallel.weights import init_shards
 
     for part in pm.parts:
-        part.to_empty(device=device)
+        part.to_empty(device="cpu" if offload_params else device)  # the model has no buffers to keep on device
         part.tie_embeddings()
         if dims.tp > 1 and not isinstance(part, FSDPModule):  # FSDP: its own
             shard_embedding_grad(part)

@@ -6,8 +6,10 @@ layouts that break one, and the tests assert the messages. Each message names th
 
 from typing import List, Optional, Sequence
 
-INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
-V_SCHEDULES = ("ZBVZeroBubble",)  # two stages per pipeline rank, placed in a V (speedllm.parallel.pipeline)
+INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # two stages per pipeline rank, placed in a V (speedllm.parallel.pipeline)
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", *V_SCHEDULES)
+OFFLOAD = ("none", "optimizer", "params")  # parallel.offload
 
 
 def divisors(n: int) -> List[int]:
@@ -112,6 +114,23 @@ def pipeline_batch_errors(*, pp: int, vpp: int, schedule: str, pp_microbatches: 
     if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and n % rounds:
         return [f"parallel.pp_schedule={schedule} needs the micro-batches per step to be a multiple of "
                 f"{rounds} (rounds of parallel.pp={pp}), but {where} gives {n}; use a multiple of parallel.pp"]
+    return []
+
+
+def offload_errors(offload: str, *, fsdp: bool, finetune: str, optimizer: str) -> List[str]:
+    """parallel.offload moves FSDP2's sharded state to host memory, so it needs FSDP2 sharding (with dp x cp = 1
+    a 1-rank FSDP2 mesh carries it) and an optimizer that updates DTensor parameters."""
+    if offload == "none":
+        return []
+    if not fsdp:
+        return [f"parallel.offload={offload} offloads FSDP2's sharded parameters and optimizer states, but "
+                "parallel.fsdp=false replicates them (DDP-like); set parallel.fsdp=true or parallel.offload=none"]
+    if finetune == "qlora":
+        return [f"parallel.offload={offload} with finetune=qlora: the NF4 base runs in one process without FSDP2; "
+                "use finetune=lora, or parallel.offload=none"]
+    if optimizer.endswith("Adafactor"):
+        return [f"parallel.offload={offload} with optim=adafactor: torch's Adafactor cannot update FSDP2's DTensor "
+                "parameters; use optim=adamw or optim=sgd, or parallel.offload=none"]
     return []
 
 

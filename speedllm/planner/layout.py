@@ -21,6 +21,8 @@ class Layout:
     reshard_after_forward: bool = True
     sequence_parallel: bool = True
     schedule: str = "1F1B"
+    offload: str = "none"  # parallel.offload: none | optimizer | params
+    activation_offload: bool = False  # train.activation_offload
 
     @property
     def world(self) -> int:
@@ -39,6 +41,10 @@ class Layout:
         parts += [f"mb{self.micro_batch}", self.recompute]
         if not self.fsdp and self.dp > 1:
             parts.append("ddp")
+        if self.offload != "none":
+            parts.append(f"offload-{self.offload}")
+        if self.activation_offload:
+            parts.append("act-offload")
         return " ".join(parts)
 
 
@@ -46,8 +52,9 @@ def layout_from_config(parallel, train) -> Layout:
     """The Layout a resolved config describes (parallel.dp must already be >= 1)."""
     return Layout(dp=parallel.dp, tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp, ep=parallel.ep, cp=parallel.cp,
                   cp_mode=parallel.cp_mode, micro_batch=train.micro_batch_size, recompute=train.recompute,
-                  fsdp=parallel.fsdp,                  reshard_after_forward=parallel.reshard_after_forward,
-                  sequence_parallel=parallel.sequence_parallel, schedule=parallel.pp_schedule)
+                  fsdp=parallel.fsdp, reshard_after_forward=parallel.reshard_after_forward,
+                  sequence_parallel=parallel.sequence_parallel, schedule=parallel.pp_schedule,
+                  offload=parallel.offload, activation_offload=train.activation_offload)
 
 
 def stage_layers(num_layers: int, stages: int, explicit=None) -> List[int]:

@@ -184,6 +184,8 @@ class StageParams:
     gathered: int = 0
     root_gathered: int = 0  # embedding / final norm / lm_head: the root FSDP unit, kept through the step
     max_layer_gathered: int = 0
+    max_layer_sharded: int = 0
+    max_tensor_state: int = 0  # optimizer state elements of the largest single parameter piece
     layers: int = 0
     moe_layers: int = 0
     has_embed: bool = False
@@ -204,6 +206,7 @@ def rank_params(mt: ModelTensors, layout: Layout, layer_split: List[int], pp_ran
     kind_sharded = [_tensors_numel(kind, layout, True) for kind in mt.layer_kinds]
     kind_state = [_tensors_numel(kind, layout, True, state_numel) for kind in mt.layer_kinds]
     kind_gathered = [_tensors_numel(kind, layout, False) for kind in mt.layer_kinds]
+    kind_max_state = [max(_tensors_numel([t], layout, True, state_numel) for t in kind) for kind in mt.layer_kinds]
     for stage in stages_of_rank(pp_rank, layout.pp, layout.vpp, layout.schedule):
         layers = range(starts[stage], starts[stage] + layer_split[stage])
         sp.per_stage_layers.append(len(layers))
@@ -214,6 +217,8 @@ def rank_params(mt: ModelTensors, layout: Layout, layer_split: List[int], pp_ran
             gathered = kind_gathered[kind]
             sp.gathered += gathered
             sp.max_layer_gathered = max(sp.max_layer_gathered, gathered)
+            sp.max_layer_sharded = max(sp.max_layer_sharded, kind_sharded[kind])
+            sp.max_tensor_state = max(sp.max_tensor_state, kind_max_state[kind])
             sp.layers += 1
             sp.moe_layers += mt.moe_layers[layer]
         root = []
@@ -228,15 +233,48 @@ def rank_params(mt: ModelTensors, layout: Layout, layer_split: List[int], pp_ran
             sp.has_head = True
         sp.sharded += _tensors_numel(root, layout, True)
         sp.optimizer_state += _tensors_numel(root, layout, True, state_numel)
+        sp.max_tensor_state = max([sp.max_tensor_state] + [_tensors_numel([t], layout, True, state_numel)
+                                                            for t in root])
         root_gathered = _tensors_numel(root, layout, False)
         sp.gathered += root_gathered
         sp.root_gathered += root_gathered
     return sp
 
 
+def placed(state: Tuple[int, int, int], offload: str) -> Tuple[Tuple[int, int, int], Tuple[int, int, int]]:
+    """(device, host) split of a rank's (parameter, gradient, optimizer state) bytes under parallel.offload:
+    params keeps all three in host memory (FSDP2's CPUOffloadPolicy), optimizer the states
+    (speedllm.parallel.offload)."""
+    params, grads, optimizer = state
+    if offload == "params":
+        return (0, 0, 0), (params, grads, optimizer)
+    if offload == "optimizer":
+        return (params, grads, 0), (0, 0, optimizer)
+    return (params, grads, optimizer), (0, 0, 0)
+
+
+def placed_state_bytes(sp: StageParams, offload: str) -> Tuple[Tuple[int, int, int], Tuple[int, int, int]]:
+    """The planner's (device, host) bytes of a rank's fp32 parameters, gradients and optimizer states."""
+    return placed((sp.sharded * MASTER_BYTES, sp.sharded * MASTER_BYTES, sp.optimizer_state * MASTER_BYTES), offload)
+
+
+def size(num_bytes: float) -> str:
+    """Bytes in GiB, or MiB below 1 GiB, with 3 decimals."""
+    return f"{num_bytes / GIB:.3f} GiB" if num_bytes >= GIB else f"{num_bytes / 2**20:.3f} MiB"
+
+
+def state_text(device: Tuple[int, int, int], host: Tuple[int, int, int]) -> str:
+    """`device: params .. grads .. optimizer .. | host: ...` as task=plan and task=dryrun print them."""
+    def part(values):
+        return " ".join(f"{name} {size(v)}" for name, v in zip(("params", "grads", "optimizer"), values))
+
+    return f"device: {part(device)} | host: {part(host)}"
+
+
 @dataclass
 class Memory:
-    """Bytes per device of one pipeline rank, by component, and the peak over a step's two phases.
+    """Bytes per device of one pipeline rank, by component, and the peak over a step's two phases; what
+    parallel.offload and train.activation_offload move to host memory is in `host` instead.
 
     Forward/backward holds the weights, optimizer states, activations and buffers, plus gradients only while
     they accumulate over micro-batches (the loop frees a step's gradients after the update); the optimizer
@@ -253,6 +291,10 @@ class Memory:
     buffers: float = 0.0  # FSDP2 all-gathered weights, autocast weight copies, pipeline send/receive
     update_temporaries: float = 0.0
     pp_rank: int = 0
+    # host memory of this rank (parallel.offload, train.activation_offload): not part of the device peak
+    host: float = 0.0
+    host_activations: float = 0.0  # of `host`: saved activations at their peak
+    offloaded_per_layer: float = 0.0  # activation bytes one layer sends to the host per micro-batch
 
     @property
     def forward_backward(self) -> float:
@@ -405,13 +447,17 @@ def rank_memory(m, layout: Layout, sp: StageParams, pp_rank: int, seq_len: int,
     e = DTYPES[dtype].itemsize
     num_micro = global_batch // (layout.micro_batch * layout.dp)
     mem = Memory(pp_rank=pp_rank)
-    mem.params = sp.sharded * MASTER_BYTES
-    mem.grads = sp.sharded * MASTER_BYTES
-    mem.optimizer = sp.optimizer_state * MASTER_BYTES  # fp32 states
-    mem.update_temporaries = 0.0 if fused_adamw(device) else sp.sharded * MASTER_BYTES * UPDATE_TEMPORARIES
+    (mem.params, mem.grads, mem.optimizer), host = placed_state_bytes(sp, layout.offload)
+    mem.host = sum(host)
+    if layout.offload == "params":  # the update runs on the host (fused AdamW on a CPU: no temporaries)
+        mem.update_temporaries = 0.0
+    elif layout.offload == "optimizer":  # one parameter's states at a time on the device
+        mem.update_temporaries = sp.max_tensor_state * MASTER_BYTES
+    else:
+        mem.update_temporaries = 0.0 if fused_adamw(device) else sp.sharded * MASTER_BYTES * UPDATE_TEMPORARIES
     accumulating = num_micro > 1 or layout.pp > 1
     dense_fsdp, _ = fsdp_degrees(layout)
-    if layout.fsdp and dense_fsdp > 1:
+    if layout.fsdp and (dense_fsdp > 1 or layout.offload != "none"):  # offload: FSDP2 on a 1-rank mesh too
         # torch's pipeline schedules keep a stage's weights gathered until its last backward; otherwise FSDP2
         # holds the root unit (embedding, final norm, lm_head) and about one layer gathered at a time
         if layout.pp > 1 or not layout.reshard_after_forward:
@@ -420,6 +466,8 @@ def rank_memory(m, layout: Layout, sp: StageParams, pp_rank: int, seq_len: int,
             mem.buffers = (sp.root_gathered + sp.max_layer_gathered) * e
         if accumulating:  # without a gradient sync FSDP2 accumulates unsharded, in fp32 (the reduce dtype)
             mem.grad_accum = sp.gathered * MASTER_BYTES
+        if layout.offload == "params":  # a unit's fp32 shards are copied to the device before its all-gather
+            mem.buffers += sp.max_layer_sharded * MASTER_BYTES
     else:
         if e < MASTER_BYTES:
             mem.buffers = sp.gathered * e  # autocast keeps a low-precision copy of every weight during forward
@@ -448,10 +496,25 @@ def rank_memory(m, layout: Layout, sp: StageParams, pp_rank: int, seq_len: int,
             working += vocab * m.hidden_size * MASTER_BYTES
     # ring attention rebuilds one chunk of a block's scores at a time in backward (speedllm.parallel.context)
     transient = max(transient, ring_backward_bytes(m, layout, seq_len))
-    mem.activations = flight * per_stage_act + head + max(working, transient)
-    # a pipeline rank's gradients appear with its first backward, which frees one micro-batch's activations
     flight_with_grads = max(flight - 1, 1) if layout.pp > 1 else flight
-    mem.activations_with_grads = flight_with_grads * per_stage_act + head + max(working, transient)
+    layer_act = per_stage_act / max_stage_layers
+    if layout.activation_offload:
+        # the decoder layers' saved tensors go to the host (selective recompute: only the layer input, its kept
+        # matmul outputs stay in the checkpoint's cache); the device holds the layer being copied out in
+        # forward, or the one in use and the one prefetched in backward
+        n = layout.micro_batch * seq_len / layout.cp
+        moved = n * m.hidden_size * e / (layout.tp if layout.sequence_parallel else 1) \
+            if layout.recompute == "selective" else layer_act
+        mem.offloaded_per_layer = moved
+        mem.host_activations = flight * moved * max_stage_layers
+        mem.host += mem.host_activations
+        per_stage_act -= moved * max_stage_layers
+        in_transit = 2 * moved
+    else:
+        in_transit = 0.0
+    mem.activations = flight * per_stage_act + in_transit + head + max(working, transient)
+    # a pipeline rank's gradients appear with its first backward, which frees one micro-batch's activations
+    mem.activations_with_grads = flight_with_grads * per_stage_act + in_transit + head + max(working, transient)
     if layout.pp > 1:
         n = layout.micro_batch * seq_len / layout.cp
         mem.buffers += 4 * n * m.hidden_size * e / (layout.tp if layout.sequence_parallel else 1)

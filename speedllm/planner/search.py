@@ -9,7 +9,7 @@ Interleaved1F1B and MindSpeed do).
 """
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from itertools import product
 from typing import Dict, List, Optional
@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 from omegaconf import OmegaConf
 
 from speedllm.hardware import DTYPES
-from speedllm.parallel.rules import divisors, layout_errors
+from speedllm.parallel.rules import divisors, layout_errors, pipeline_batch_errors
 from speedllm.planner.layout import Layout, stage_layers
 from speedllm.planner.memory import (
     GIB,
@@ -37,6 +37,8 @@ MICRO_BATCHES = (1, 2, 4, 8)
 RECOMPUTE = ("none", "selective", "full")
 CP_MODES = {False: ("allgather",), True: ("ring", "ulysses")}  # by cp > 1; ring needs no head split
 VIRTUAL_STAGES = (1, 2, 4, 8)
+# (parallel.offload, train.activation_offload) the search tries when no layout fits without offload
+OFFLOAD_LEVERS = (("optimizer", False), ("none", True), ("optimizer", True), ("params", False), ("params", True))
 
 
 @dataclass
@@ -52,11 +54,18 @@ class Problem:
     efficiency: float = 0.6
     memory_margin: float = 0.1
     optim: object = None  # OptimConfig fields; None: AdamW
+    allow_offload: bool = True  # plan.allow_offload: offload to host memory when nothing fits without
 
     @property
     def capacity(self) -> float:
         """Bytes per device a plan may use (the rest is kept for the runtime and allocator fragmentation)."""
         return self.hardware.memory_gb * GIB * (1 - self.memory_margin)
+
+    @property
+    def host_capacity(self) -> float:
+        """Host bytes per device a plan may use: the node's RAM shared by its devices, less the same margin."""
+        per_node = min(self.world, self.hardware.devices_per_node)
+        return self.hardware.host_memory_gb * GIB * (1 - self.memory_margin) / per_node
 
 
 @dataclass
@@ -124,13 +133,18 @@ class Planner:
             ops = p.hardware.ops
             selective = (layer_activation_bytes(m, kept, p.seq_len, e, moe, self.tp_facts, ops)
                          - layer_activation_bytes(m, layout, p.seq_len, e, moe, self.tp_facts, ops))
-        time = step_time(m, layout, p.hardware, busiest, p.seq_len, p.global_batch, p.efficiency, selective)
+        time = step_time(m, layout, p.hardware, busiest, p.seq_len, p.global_batch, p.efficiency, selective,
+                         memory.offloaded_per_layer)
         tokens_per_s = p.global_batch * p.seq_len / time.total
         mfu = tokens_per_s * flops_per_token(m, p.seq_len) / (p.hardware.peak_tflops[p.hardware.dtype] * 1e12
                                                                  * layout.world)
-        fits = memory.total <= p.capacity
-        reason = "" if fits else (f"needs {memory.total / GIB:.1f} GiB on pp rank {memory.pp_rank} > "
-                                  f"{p.capacity / GIB:.1f} GiB usable ({largest(memory)})")
+        fits = memory.total <= p.capacity and memory.host <= p.host_capacity
+        if memory.total > p.capacity:
+            reason = (f"needs {memory.total / GIB:.1f} GiB on pp rank {memory.pp_rank} > {p.capacity / GIB:.1f} GiB "
+                      f"usable ({largest(memory)})")
+        else:
+            reason = "" if fits else (f"needs {memory.host / GIB:.1f} GiB of host memory per device > "
+                                      f"{p.host_capacity / GIB:.1f} GiB (hardware.host_memory_gb per node)")
         return Estimate(layout, memory, time, tokens_per_s, mfu, time.bubble / time.total, fits, reason)
 
     def invalid_reason(self, layout: Layout) -> Optional[str]:
@@ -153,7 +167,11 @@ class Planner:
             return "fewer micro-batches than pipeline stages"
         if layout.vpp > 1 and num_micro % layout.pp:
             return "interleaved pipeline needs micro-batches divisible by pp"
-        return None
+        errors = pipeline_batch_errors(pp=layout.pp, vpp=layout.vpp, schedule=layout.schedule, pp_microbatches=0,
+                                       global_batch=p.global_batch, micro_batch=layout.micro_batch, dp=layout.dp)
+        if layout.offload != "none" and not layout.fsdp:
+            errors.append("offload needs FSDP2 (parallel.fsdp=true)")
+        return errors[0] if errors else None
 
     def layouts(self):
         """Every combination of degrees whose product is the device count."""
@@ -195,8 +213,20 @@ class Planner:
         return None
 
     def search(self) -> SearchResult:
+        """Every layout without offload; only when none of them fits (and plan.allow_offload, on a device that is
+        not the host itself), the same layouts again with each offload lever."""
+        result = self._search(self.layouts())
+        if result.best is None and self.p.allow_offload and self.p.hardware.device != "cpu":
+            levers = (replace(layout, offload=offload, activation_offload=activations)
+                      for layout in self.layouts() for offload, activations in OFFLOAD_LEVERS)
+            with_offload = self._search(levers)
+            with_offload.invalid = result.invalid
+            return with_offload
+        return result
+
+    def _search(self, layouts) -> SearchResult:
         fitting, too_big, invalid = [], [], Counter()
-        for layout in self.layouts():
+        for layout in layouts:
             reason = self.invalid_reason(layout)
             if reason is not None:
                 invalid[reason.split(" (")[0]] += 1
@@ -225,4 +255,5 @@ def problem_from_config(cfg, world: int) -> Problem:
     """The planning problem a composed config describes, on `world` devices."""
     return Problem(model=cfg.model, hardware=cfg.hardware, world=world, seq_len=cfg.train.seq_len,
                    global_batch=cfg.train.global_batch_size, loss_chunk=cfg.train.loss_chunk_size,
-                   efficiency=cfg.plan.compute_efficiency, memory_margin=cfg.plan.memory_margin, optim=cfg.optim)
+                   efficiency=cfg.plan.compute_efficiency, memory_margin=cfg.plan.memory_margin, optim=cfg.optim,
+                   allow_offload=cfg.plan.allow_offload)

@@ -34,11 +34,12 @@ class StepTime:
     pp: float = 0.0
     dp: float = 0.0  # exposed FSDP / data-parallel communication
     optimizer: float = 0.0
+    offload: float = 0.0  # exposed host <-> device copies (parallel.offload, train.activation_offload)
 
     @property
     def total(self) -> float:
         return (self.compute + self.routing + self.recompute + self.bubble + self.tp + self.cp + self.ep + self.pp
-                + self.dp + self.optimizer)
+                + self.dp + self.optimizer + self.offload)
 
 
 def link_bandwidth(hw, span: int) -> float:
@@ -74,7 +75,7 @@ def num_moe_layers(m) -> int:
 
 
 def step_time(m, layout: Layout, hw, sp: StageParams, seq_len: int, global_batch: int, efficiency: float,
-              selective_bytes: float = 0.0) -> StepTime:
+              selective_bytes: float = 0.0, offloaded_per_layer: float = 0.0) -> StepTime:
     """Estimated seconds of one training step.
 
     Args:
@@ -142,5 +143,29 @@ def step_time(m, layout: Layout, hw, sp: StageParams, seq_len: int, global_batch
         t.dp = max(0.0, volume / bw - t.compute)
     # AdamW reads parameter, gradient and two moments and writes three of them back (fp32)
     t.optimizer = sp.sharded * 7 * MASTER_BYTES / (hw.memory_bandwidth_gbps * 1e9)
+    t.offload = offload_time(layout, hw, sp, t, num_micro, layers, offloaded_per_layer)
+    if layout.offload == "params":  # the update runs on the host, whose memory the node's devices share
+        t.optimizer = sp.sharded * 7 * MASTER_BYTES / (hw.host_memory_bandwidth_gbps * 1e9 / hw.devices_per_node)
     return t
+
+
+def offload_time(layout: Layout, hw, sp: StageParams, t: StepTime, num_micro: int, layers: float,
+                 offloaded_per_layer: float) -> float:
+    """Seconds of host <-> device copies a step waits for, at the profile's host-link bandwidth.
+
+    parallel.offload=params copies each unit's fp32 shards to the device before every all-gather and the reduced
+    gradients back, on FSDP2's streams beside compute (only their excess shows); optimizer brings every state to
+    the device and back around its update, which waits; activation offload copies a layer's saved tensors out in
+    forward and back in backward on a side stream (only their excess shows).
+    """
+    link = hw.host_link_bandwidth_gbps * 1e9
+    overlapped = waited = 0.0
+    if layout.offload == "params":
+        gathers = 1 if layout.pp > 1 or not layout.reshard_after_forward else 2 * num_micro
+        overlapped += sp.sharded * MASTER_BYTES * (gathers + 1)
+    elif layout.offload == "optimizer":
+        waited += 2 * sp.optimizer_state * MASTER_BYTES
+    if layout.activation_offload:
+        overlapped += 2 * offloaded_per_layer * layers * num_micro
+    return waited / link + max(0.0, overlapped / link - t.compute)
 

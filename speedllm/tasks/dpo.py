@@ -27,6 +27,7 @@ from speedllm.adapters.lora import adapters_disabled
 from speedllm.checkpoint.dcp import Checkpointer
 from speedllm.checkpoint.hf import load_hf_weights
 from speedllm.parallel import clip_grad_norm
+from speedllm.parallel.offload import optimizer_step
 from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.build import build_model, build_training, grad_accum_steps, to_device
 from speedllm.train.metrics import MetricsLogger
@@ -81,7 +82,7 @@ def dpo_step(pm, reference, optimizer, scheduler, micro_batches: List[dict], cfg
     grad_norm = clip_grad_norm(pm, cfg.train.grad_clip)
     ok = math.isfinite(loss) and bool(torch.isfinite(grad_norm))
     if ok:
-        optimizer.step()
+        optimizer_step(optimizer, cfg.parallel.offload)
     optimizer.zero_grad(set_to_none=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")

@@ -10,8 +10,9 @@ device and parallelizes it exactly as training does (speedllm.train.build.meta_m
 expert placement, FSDP2), then the optimizer over it. Nothing is allocated.
 
 Per rank it prints the mesh coordinates, the pipeline stages, decoder layers and experts the rank holds, and
-the bytes of its parameters, gradients (sharded like the parameters) and optimizer states, beside the planner's
-exact bytes for the same layout (speedllm.planner.memory). The planner costs the first rank of each axis,
+the bytes of its parameters, gradients (sharded like the parameters) and optimizer states, on the device and on
+the host (parallel.offload moves them: speedllm.planner.memory.placed), beside the planner's exact bytes for the
+same layout (speedllm.planner.memory). The planner costs the first rank of each axis,
 which holds the most when a dimension does not split evenly (torch.chunk gives later ranks fewer rows).
 """
 
@@ -26,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from speedllm.adapters.lora import adapter_fn
 from speedllm.parallel.mesh import AXES
 from speedllm.planner.layout import layout_from_config, stage_layers
-from speedllm.planner.memory import GIB, MASTER_BYTES, model_tensors, rank_params
+from speedllm.planner.memory import MASTER_BYTES, model_tensors, placed, rank_params, state_text
 from speedllm.runtime import init_fake_runtime
 from speedllm.train.optimizer import build_optimizer, state_numel
 
@@ -47,6 +48,7 @@ class RankReport:
     params: int = 0  # bytes
     grads: int = 0
     optimizer: int = 0
+    offload: str = "none"  # parallel.offload: which of them live in host memory
     # the planner's (params, grads, optimizer) bytes; None: it costs full training, not these adapters
     planned: Optional[Tuple[int, int, int]] = None
 
@@ -83,7 +85,7 @@ def build_rank(cfg, rank: int, world: int) -> RankReport:
     layers = sorted(int(i) for i in pm.module.layers)
     report = RankReport(rank, coords, stages, layers, sum(pm.module.layers[str(i)].is_moe for i in layers),
                         pm.module.embed_tokens is not None and 0 in stages,
-                        pm.module.lm_head is not None or pm.module.norm is not None)
+                        pm.module.lm_head is not None or pm.module.norm is not None, offload=cfg.parallel.offload)
     if dims.ep > 1:
         ep_mesh, edp_mesh = dims.expert_meshes()
         per_rank = cfg.model.num_experts // dims.ep
@@ -128,20 +130,14 @@ def line(r: RankReport) -> str:
         held += f"; experts {spans(list(range(first, last)))}"
         if r.expert_shards > 1:
             held += f" sharded over {r.expert_shards}"
-    mine = (r.params, r.grads, r.optimizer)
-    sizes = " ".join(f"{name} {size(value)}" for name, value in zip(("params", "grads", "optimizer"), mine))
+    mine = placed((r.params, r.grads, r.optimizer), r.offload)
     if r.planned is None:
         check = "task=plan costs full training, not these adapters"
-    elif mine == r.planned:
+    elif mine == placed(r.planned, r.offload):
         check = "= task=plan's exact bytes"
     else:
-        check = "task=plan (first rank of this stage): " + " ".join(size(v) for v in r.planned)
-    return f"rank {r.rank} [{coords}] {held} | {sizes} | {check}"
-
-
-def size(num_bytes: int) -> str:
-    """Bytes in GiB, or MiB below 1 GiB, with 3 decimals."""
-    return f"{num_bytes / GIB:.3f} GiB" if num_bytes >= GIB else f"{num_bytes / 2**20:.3f} MiB"
+        check = "task=plan (first rank of this stage): " + state_text(*placed(r.planned, r.offload))
+    return f"rank {r.rank} [{coords}] {held} | {state_text(*mine)} | {check}"
 
 
 def run(cfg, rt) -> None:
@@ -151,7 +147,7 @@ def run(cfg, rt) -> None:
     ranks = list(cfg.dryrun.ranks) if cfg.dryrun.ranks is not None else sample_ranks(p, world)
     print(f"dryrun: {cfg.model.name}, {layout_from_config(p, cfg.train).short()} on {world} ranks (fake process "
           f"group, model on the meta device); per rank: fp32 parameters, gradients, optimizer states "
-          f"({cfg.optim.name})")
+          f"({cfg.optim.name}) on the device and in host memory (parallel.offload={p.offload})")
     start = time.perf_counter()
     try:
         for rank in ranks:

@@ -12,18 +12,18 @@ from omegaconf import DictConfig
 
 from speedllm.planner import device_count
 from speedllm.planner.layout import layout_from_config
-from speedllm.planner.memory import GIB
+from speedllm.planner.memory import GIB, placed_state_bytes, state_text
 from speedllm.planner.search import Estimate, Planner, SearchResult, problem_from_config
 
-COMPONENTS = ("params", "grads", "grad_accum", "optimizer", "activations", "buffers")
-HEADER = (f"{'#':>3}  {'layout':<34} {'GiB/dev':>7}  {'params':>6} {'grads':>6} {'accum':>6} {'optim':>6} "
-          f"{'activ':>6} {'buffers':>7}  {'step s':>8} {'tokens/s':>11} {'MFU':>6} {'bubble':>6}")
+COMPONENTS = ("params", "grads", "grad_accum", "optimizer", "activations", "buffers", "host")
+HEADER = (f"{'#':>3}  {'layout':<48} {'GiB/dev':>7}  {'params':>6} {'grads':>6} {'accum':>6} {'optim':>6} "
+          f"{'activ':>6} {'buffers':>7} {'host':>6}  {'step s':>8} {'tokens/s':>11} {'MFU':>6} {'bubble':>6}")
 
 
 def row(rank: str, est: Estimate) -> str:
     m = est.memory
     parts = " ".join(f"{getattr(m, k) / GIB:{7 if k == 'buffers' else 6}.1f}" for k in COMPONENTS)
-    return (f"{rank:>3}  {est.layout.short():<34} {m.total / GIB:7.1f}  {parts}  {est.time.total:8.3g} "
+    return (f"{rank:>3}  {est.layout.short():<48} {m.total / GIB:7.1f}  {parts}  {est.time.total:8.3g} "
             f"{est.tokens_per_s:11,.0f} {est.mfu:6.1%} {est.bubble_fraction:6.1%}")
 
 
@@ -35,8 +35,11 @@ def format_table(cfg: DictConfig, planner: Planner, result: SearchResult, second
              f"{p.capacity / GIB:.1f} usable), seq_len {p.seq_len}, global batch {p.global_batch}, "
              f"{p.hardware.dtype}: {costed} layouts costed, {len(result.fitting)} fit ({seconds:.1f} s)",
              "GiB/dev: peak of the busiest rank (forward/backward or update); accum: gradients accumulating over "
-             "micro-batches; time, tokens/s and MFU estimated from the hardware profile", HEADER]
+             "micro-batches; host: what offload keeps in host memory per device; time, tokens/s and MFU estimated "
+             "from the hardware profile", HEADER]
     lines += [row(str(i + 1), est) for i, est in enumerate(result.fitting[: cfg.plan.top])]
+    if result.best is not None:
+        lines.append(f"#1 on pp rank {result.best.memory.pp_rank}: {state_bytes(planner, result.best)}")
     if mine is not None:
         lines += ["your layout (parallel=" + cfg.parallel.name + "):", row("-", mine)]
         if not mine.fits:
@@ -48,11 +51,18 @@ def format_table(cfg: DictConfig, planner: Planner, result: SearchResult, second
         lines.append(f"rejected: {'faster than #1 but ' if faster else ''}too big for device memory "
                      "(closest to fitting first):")
         shown = sorted(faster or result.too_big, key=lambda e: e.memory.total)[: cfg.plan.show_rejected]
-        lines += [f"     {est.layout.short():<34} {est.tokens_per_s:11,.0f} tokens/s  {est.reason}" for est in shown]
+        lines += [f"     {est.layout.short():<48} {est.tokens_per_s:11,.0f} tokens/s  {est.reason}" for est in shown]
     if result.invalid:
         lines.append("rejected as invalid (layouts: reason):")
         lines += [f"     {count:6d}: {reason}" for reason, count in sorted(result.invalid.items(), key=lambda kv: -kv[1])]
     return "\n".join(lines)
+
+
+def state_bytes(planner: Planner, est: Estimate) -> str:
+    """The exact bytes of the parameters, gradients and optimizer states on the device and on the host of the
+    estimate's busiest pipeline rank, as task=dryrun prints them for the same layout."""
+    sp = planner.rank_params(est.layout, planner.split(est.layout))[est.memory.pp_rank]
+    return state_text(*placed_state_bytes(sp, est.layout.offload))
 
 
 def demo_sized_note(cfg: DictConfig):
@@ -101,7 +111,6 @@ def run(cfg: DictConfig, rt) -> None:
               + (f" per rank of parallel.tp={tp}" if tp > 1 else ""))
     if cfg.finetune.name != "full":
         from speedllm.checkpoint.adapters import base_bytes
-        from speedllm.planner.memory import GIB
 
         facts = base_bytes(cfg.model, cfg.finetune)
         print(f"finetune={cfg.finetune.name}: frozen base {facts['base_params'] / 1e6:,.1f}M params at "
@@ -110,4 +119,7 @@ def run(cfg: DictConfig, rt) -> None:
     if note is not None:
         print(note)
     if result.best is None:
-        print("no layout fits: add devices (launcher.nnodes) or lower train.seq_len / train.global_batch_size")
+        offload = "offload was not considered (plan.allow_offload=false)" if not cfg.plan.allow_offload else \
+            "not even with offload to host memory"
+        print(f"no layout fits ({offload}): add devices (launcher.nnodes) or lower train.seq_len / "
+              "train.global_batch_size")

@@ -14,6 +14,7 @@ from speedllm.adapters.lora import adapter_fn, init_adapters
 from speedllm.hardware import DTYPES
 from speedllm.models.moe import take_expert_load
 from speedllm.parallel import ParallelModel, materialize, output_loss_for, parallelize
+from speedllm.parallel.offload import states_to_host
 from speedllm.runtime import Runtime
 from speedllm.train.optimizer import build_optimizer
 from speedllm.train.schedule import build_scheduler
@@ -42,7 +43,7 @@ def build_model(cfg, rt: Runtime) -> ParallelModel:
     """Qwen3 built on the meta device, parallelized, then materialized and initialized on this rank's device."""
     adapt = adapter_fn(cfg.finetune)
     pm = meta_model(cfg, rt, adapt)
-    materialize(pm, rt.dims, rt.device, cfg.seed)
+    materialize(pm, rt.dims, rt.device, cfg.seed, cfg.parallel.offload == "params")
     take_expert_load(pm.module)  # the expert load tallies start from zero (to_empty left them unset)
     if adapt is not None:  # the same adapters on every layout, B = 0
         init_adapters(pm.parts, cfg.seed)
@@ -89,4 +90,6 @@ def build_training(cfg, rt: Runtime) -> Training:
     loader = build_loader(cfg, "train", dp_rank, dp_size, t.micro_batch_size, t.seq_len, cfg.seed)
     autocast = autocast_for(cfg, pm, rt.device)
     step, resume_from = restore(cfg, rt, pm, optimizer, scheduler, loader)
+    if cfg.parallel.offload == "optimizer":  # a checkpoint's states were loaded onto the device
+        states_to_host(optimizer)
     return Training(pm, optimizer, scheduler, loader, autocast, step, resume_from)

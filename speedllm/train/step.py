@@ -17,6 +17,7 @@ from torch import nn
 
 from speedllm.ops import IGNORE_INDEX
 from speedllm.parallel import ParallelModel, clip_grad_norm
+from speedllm.parallel.offload import optimizer_step
 from speedllm.train.build import to_device
 
 
@@ -73,7 +74,7 @@ def train_step(pm: ParallelModel, optimizer, scheduler, micro_batches, cfg, dp_s
     grad_norm = clip_grad_norm(pm, cfg.train.grad_clip)
     ok = bool(torch.isfinite(loss) and torch.isfinite(grad_norm))
     if ok:
-        optimizer.step()
+        optimizer_step(optimizer, cfg.parallel.offload)
     optimizer.zero_grad(set_to_none=True)
     with warnings.catch_warnings():  # torch warns when a skipped update precedes the first scheduler step
         warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
