@@ -1,0 +1,69 @@
+"""Muon vs AdamW on the demo: final validation loss of `python launch.py optim=<name>` at a few peak lrs.
+
+Every run is the default demo (qwen3_tiny, the bundled corpus, train.steps=400, the same batch, seed and
+schedule) with only the optimizer and its peak lr changed; min_lr stays a tenth of the peak, as in both
+defaults. Runs go one after another, each in its own `launch.py` process; a run already in --out is
+read back instead of run again, so an interrupted sweep continues where it stopped.
+
+    python benchmarks/bench_muon.py                          # both defaults and a 3-lr sweep of each
+    python benchmarks/bench_muon.py --optims muon --lrs 0.01,0.02,0.04 --steps 400
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# peak lrs swept per optimizer; the middle one is the optimizer's documented default (conf/optim/<name>.yaml)
+SWEEP = {"adamw": [1e-3, 3e-3, 1e-2], "muon": [1e-2, 2e-2, 4e-2]}
+
+
+def run_dir_of(out: Path, optim: str, lr: float, steps: int) -> Path:
+    return out / f"{optim}_lr{lr:g}_steps{steps}"
+
+
+def final_valid_loss(run_dir: Path):
+    """(step, loss) of the last validation record in the run's metrics.jsonl, or None before it has one."""
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        return None
+    valid = [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("split") == "valid"]
+    return (valid[-1]["step"], valid[-1]["loss"]) if valid else None
+
+
+def train(out: Path, optim: str, lr: float, steps: int) -> tuple:
+    run_dir = run_dir_of(out, optim, lr, steps)
+    done = final_valid_loss(run_dir)
+    if done is not None and done[0] == steps:
+        return done
+    cmd = [sys.executable, str(ROOT / "launch.py"), f"optim={optim}", f"optim.lr={lr}", f"optim.min_lr={lr / 10:g}",
+           f"train.steps={steps}", "generate.num_samples=0",
+           "checkpoint.save_final=false", "logging.tensorboard=false", "logging.progress_bar=false",
+           f"hydra.run.dir={run_dir}"]
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return final_valid_loss(run_dir)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--optims", default="adamw,muon")
+    parser.add_argument("--lrs", default=None, help="comma-separated peak lrs (default: each optimizer's sweep)")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench_muon")
+    args = parser.parse_args()
+    rows = []
+    for optim in args.optims.split(","):
+        lrs = [float(x) for x in args.lrs.split(",")] if args.lrs else SWEEP[optim]
+        for lr in lrs:
+            step, loss = train(args.out, optim, lr, args.steps)
+            rows.append((optim, lr, step, loss))
+            print(f"{optim:<6} lr={lr:<8g} step {step}: valid loss {loss:.4f}", flush=True)
+    print(f"\n| optimizer | peak lr | steps | final valid loss |\n|---|---:|---:|---:|")
+    for optim, lr, step, loss in rows:
+        print(f"| {optim} | {lr:g} | {step} | {loss:.4f} |")
+
+
+if __name__ == "__main__":
+    main()
