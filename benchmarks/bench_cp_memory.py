@@ -13,8 +13,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from speedllm.config import compose_config  # noqa: E402
 from speedllm.planner.layout import layout_from_config  # noqa: E402
-from speedllm.planner.measure import compose_config, measure_layout, measure_training_step  # noqa: E402
+from speedllm.planner.measure import measure_layout, measure_training_step  # noqa: E402
 from speedllm.planner.search import Planner, problem_from_config  # noqa: E402
 
 MiB = 2**20
@@ -34,7 +35,7 @@ def main() -> None:
             overrides = ["model=qwen3_tiny", "hardware=cpu", f"train.seq_len={args.seq_len}",
                          "train.micro_batch_size=1", "train.global_batch_size=1", "parallel.dp=1",
                          f"parallel.cp={cp}"] + ([f"parallel.cp_mode={mode}"] if cp > 1 else [])
-            cfg = compose_config(overrides)
+            cfg = compose_config(*overrides)
             with tempfile.TemporaryDirectory() as out:
                 if cp == 1:
                     from speedllm.runtime import Runtime
@@ -42,7 +43,7 @@ def main() -> None:
                     cfg.run_dir = out
                     records = [measure_training_step(cfg, Runtime())]
                 else:
-                    records = measure_layout(overrides, cp, out)
+                    records = measure_layout(cfg, cp, out)
             planner = Planner(problem_from_config(cfg, cp))
             predicted = planner.rank_memories(layout_from_config(cfg.parallel, cfg.train))[0].total
             for rec in records:

@@ -3,7 +3,7 @@
     python benchmarks/bench_fsdp_memory.py [--ranks 1 2 4] [--layers 8] [--hidden 512]
 
 Each N runs in its own gloo process group on this machine (CPU). Rank 0 builds the model through the training
-code path (speedllm.train.loop.build_model: meta build, parallelize, materialize), runs two AdamW steps of one
+code path (speedllm.train.build.build_model: meta build, parallelize, materialize), runs two AdamW steps of one
 micro-batch, and measures tensor memory with torch's own trackers (MemTracker for one process,
 FSDPMemTracker under FSDP) over the second step, so the optimizer states exist. The estimate uses the
 activations measured in the single-process run: fp32 parameters (4 B), gradients (4 B) and AdamW's two
@@ -49,7 +49,7 @@ def worker(rank: int, ranks: int, port: int, args, results) -> None:
 
     from speedllm.models.qwen3 import num_params
     from speedllm.runtime import Runtime, init_runtime
-    from speedllm.train.loop import build_model
+    from speedllm.train.build import build_model
     from speedllm.train.optimizer import build_optimizer
 
     cfg = config(args, ranks)

@@ -19,10 +19,10 @@ import time
 import torch
 from omegaconf import OmegaConf
 
-from speedllm.config.schema import ModelConfig
-from speedllm.infer.engine import generate_ids
-from speedllm.infer.sampling import Sampling
+from speedllm.generation.engine import generate_ids
+from speedllm.generation.sampling import Sampling
 from speedllm.models import Qwen3, num_params
+from speedllm.models.config import ModelConfig
 from speedllm.models.hf_adapter import from_hf_state_dict, hf_config
 
 PROMPT_LEN, PREFILL_LEN = 16, 512

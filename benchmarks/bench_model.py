@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from speedllm.config.schema import ModelConfig
 from speedllm.models import Qwen3
+from speedllm.models.config import ModelConfig
 from speedllm.models.hf_adapter import from_hf_state_dict, hf_config
 from speedllm.train.metrics import flops_per_token, peak_memory_gb
 

@@ -278,8 +278,8 @@ def decode_speed(ours, hf, prompt, new_tokens: int, repeats: int, dtype, clock=t
     """Greedy decode tokens/s of our engine and of transformers' static-cache `generate` on the same weights,
     alternating; each the median over `repeats`, the prefill (a 1-token generation) subtracted out.
     Returns ({"ours": tokens/s, "transformers": tokens/s}, whether both generated the same ids)."""
-    from speedllm.infer.engine import generate_ids
-    from speedllm.infer.sampling import Sampling
+    from speedllm.generation.engine import generate_ids
+    from speedllm.generation.sampling import Sampling
 
     def run_hf(n):
         with torch.inference_mode():

@@ -16,13 +16,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from speedllm.config import compose_config  # noqa: E402
 from speedllm.config.schema import typed  # noqa: E402
-from speedllm.dryrun import build_rank, sample_ranks  # noqa: E402
 from speedllm.hardware import load_profile  # noqa: E402
 from speedllm.planner.layout import layout_from_config  # noqa: E402
 from speedllm.planner.measure import measure_layout, measure_training_step  # noqa: E402
 from speedllm.planner.memory import GIB, rank_params  # noqa: E402
 from speedllm.planner.mindspeed import PUBLISHED, published_estimate  # noqa: E402
 from speedllm.planner.search import Planner, Problem, problem_from_config  # noqa: E402
+from speedllm.tasks.dryrun import build_rank, sample_ranks  # noqa: E402
 
 MEASURED = [("qwen3_tiny", "single", 1), ("qwen3_tiny", "fsdp2", 2), ("qwen3_moe_tiny", "fsdp2", 2),
             ("qwen3_tiny", "tp2", 2), ("qwen3_tiny", "pp2", 2)]
@@ -89,7 +89,7 @@ def measured_table() -> None:
                 cfg.run_dir = out
                 records = [measure_training_step(cfg, Runtime())]
             else:
-                records = measure_layout(overrides, world, out)
+                records = measure_layout(cfg, world, out)
         planner = Planner(problem_from_config(cfg, world))
         layout = layout_from_config(cfg.parallel, cfg.train)
         memories = planner.rank_memories(layout, cfg.parallel.pp_layers)

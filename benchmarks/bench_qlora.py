@@ -2,7 +2,7 @@
 
     python benchmarks/bench_qlora.py [--model qwen3_0.6b] [--steps 3] [--seq-len 128] [--loss-chunk-size 128]
 
-Each mode runs in its own process through the training code path (build_model, speedllm.finetune.base.load_base:
+Each mode runs in its own process through the training code path (build_model, speedllm.checkpoint.adapters.load_base:
 a random fp32 base, which finetune=qlora turns into NF4, then train_step on the bundled SFT set with the Qwen3
 tokenizer). The step peak is the process's peak resident memory over the training steps, measured from a reset
 of the kernel's high-water mark (/proc/self/clear_refs) after the model is ready, so the fp32 start both modes
@@ -32,13 +32,14 @@ def worker(args) -> dict:
     import torch
     from omegaconf import OmegaConf
 
+    from speedllm.checkpoint.adapters import load_base
     from speedllm.config import compose_config
     from speedllm.data.loader import build_loader
-    from speedllm.finetune.base import load_base
     from speedllm.runtime import Runtime, seed_everything
-    from speedllm.train.loop import build_model, train_step
+    from speedllm.train.build import build_model
     from speedllm.train.optimizer import build_optimizer
     from speedllm.train.schedule import build_scheduler
+    from speedllm.train.step import train_step
 
     cfg = compose_config(
             f"model={args.model}", "hardware=cpu", "task=sft", f"finetune={args.worker}", f"train.seq_len={args.seq_len}",

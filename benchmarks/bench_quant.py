@@ -20,10 +20,11 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from speedllm.config.schema import ModelConfig, QuantConfig
-from speedllm.infer.engine import generate_ids
-from speedllm.infer.sampling import Sampling
+from speedllm.config.schema import QuantConfig
+from speedllm.generation.engine import generate_ids
+from speedllm.generation.sampling import Sampling
 from speedllm.models import Qwen3, num_params
+from speedllm.models.config import ModelConfig
 from speedllm.models.hf_adapter import from_hf_state_dict, hf_config
 from speedllm.paths import CONF
 from speedllm.quant import QUANTIZED, quantize_for_inference

@@ -27,7 +27,7 @@ def write_model(path: Path) -> None:
     import torch
     from transformers import Qwen3ForCausalLM
 
-    from speedllm.config.schema import ModelConfig
+    from speedllm.models.config import ModelConfig
     from speedllm.models.hf_adapter import hf_config
 
     cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(CONF / "model" / "qwen3_0.6b.yaml"))

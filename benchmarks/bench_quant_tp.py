@@ -3,7 +3,7 @@
     python benchmarks/bench_quant_tp.py [--quants none int8_wo int4_wo] [--new-tokens 16] [--repeats 5]
 
 bench_generate's ~40M Qwen3 with random weights, saved once as an HF directory and loaded by the inference
-path (speedllm.infer.load.load_model: under tp=2 each rank quantizes its own shards). Two gloo ranks with one
+path (speedllm.generation.load.load_model: under tp=2 each rank quantizes its own shards). Two gloo ranks with one
 thread each: in every repeat rank 0 first decodes alone at tp=1 (rank 1 waits), then both decode at tp=2, so
 load from other processes hits both alike. Decode tokens/s = (N - 1) / (wall time of N new tokens - of 1), the
 median over --repeats (wall time: a tp=2 step includes its all-reduces).
@@ -23,8 +23,8 @@ import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from speedllm.config import compose_config
-from speedllm.infer.engine import generate_ids
-from speedllm.infer.sampling import Sampling
+from speedllm.generation.engine import generate_ids
+from speedllm.generation.sampling import Sampling
 from speedllm.runtime import Runtime
 
 MODEL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
@@ -33,7 +33,7 @@ PROMPT = [list(range(100, 116))]
 
 
 def load(root: Path, quant: str, tp: int):
-    from speedllm.infer.load import load_model
+    from speedllm.generation.load import load_model
     from speedllm.parallel.mesh import build_mesh
 
     cfg = compose_config("task=generate", "hardware=cpu", "model=hf", f"checkpoint.load_hf={root}",
@@ -79,7 +79,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import Qwen3ForCausalLM
 
-    from speedllm.config.schema import ModelConfig
+    from speedllm.models.config import ModelConfig
     from speedllm.models.hf_adapter import hf_config
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -32,7 +32,7 @@ DIMS = {k: _TINY[k] for k in ("hidden_size", "intermediate_size", "num_hidden_la
 def ours(args) -> dict:
     from speedllm.config import compose_config
     from speedllm.runtime import Runtime
-    from speedllm.train.loop import run
+    from speedllm.tasks.pretrain import run
 
     run_dir = tempfile.mkdtemp(prefix="bench_train_")
     overrides = [

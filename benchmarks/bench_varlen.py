@@ -26,7 +26,7 @@ MiB = 2**20
 def build(seq_len: int, doc_len: int):
     from omegaconf import OmegaConf
 
-    from speedllm.config.schema import ModelConfig
+    from speedllm.models.config import ModelConfig
     from speedllm.models.qwen3 import Qwen3
 
     cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / "speedllm/conf/model/qwen3_tiny.yaml"),

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from quant_quality import NEW_TOKENS, config, perplexity, prompts_of
 
-from speedllm.infer.engine import generate_ids
-from speedllm.infer.load import load_model
-from speedllm.infer.sampling import Sampling
+from speedllm.generation.engine import generate_ids
+from speedllm.generation.load import load_model
+from speedllm.generation.sampling import Sampling
 from speedllm.paths import ROOT
 from speedllm.runtime import Runtime
 

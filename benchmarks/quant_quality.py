@@ -14,9 +14,10 @@ import math
 import torch
 
 from speedllm.config import compose_config
-from speedllm.infer.engine import generate_ids
-from speedllm.infer.load import adopt_checkpoint_config, load_model
-from speedllm.infer.sampling import Sampling
+from speedllm.config.resolve import adopt_checkpoint_config
+from speedllm.generation.engine import generate_ids
+from speedllm.generation.load import load_model
+from speedllm.generation.sampling import Sampling
 from speedllm.runtime import Runtime
 
 NEW_TOKENS, PROMPT_LEN = 32, 16

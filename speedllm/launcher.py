@@ -5,8 +5,6 @@ to `launch()`. Spawned workers run `python -m speedllm.launcher <run_dir>/config
 config and never re-run Hydra.
 """
 
-import importlib
-import importlib.util
 import os
 import sys
 import uuid
@@ -16,71 +14,16 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from speedllm.config import register_configs
+from speedllm.config.resolve import resolve
 from speedllm.config.schema import typed
-from speedllm.config.validate import validate, validate_values
+from speedllm.config.validate import validate
 from speedllm.console import console_log, discard_run_dir, guarded
 from speedllm.errors import UserError, one_line
-from speedllm.hardware import detect, load_profile
 from speedllm.runtime import Runtime, init_runtime, under_torchrun
 
 FROZEN_NAME = "config.yaml"
 KEEPS_NOTHING = ("plan", "dryrun", "doctor")  # tasks whose run directory is removed when they succeed
 NO_DEVICES = ("plan", "dryrun")  # tasks about a job on devices this machine may lack: a plain CPU runtime
-
-
-def resolve_hardware(cfg: DictConfig) -> None:
-    if cfg.hardware.name == "auto":
-        cfg.hardware = load_profile(detect())
-
-
-def resolve_nodes(cfg: DictConfig) -> None:
-    """Multi-node: under SLURM (Hydra's submitit launcher, one task per node) take the node rank and rendezvous
-    host from the job; elsewhere the user names the rendezvous endpoint (node 0's host:port)."""
-    lc = cfg.launcher
-    if lc.nnodes == 1 or under_torchrun():
-        return
-    if "SLURM_JOB_ID" in os.environ and importlib.util.find_spec("submitit") is not None:
-        import submitit
-
-        job = submitit.JobEnvironment()
-        lc.node_rank = job.node
-        if lc.rdzv_endpoint.startswith("localhost"):
-            lc.rdzv_endpoint = f"{job.hostnames[0]}:29500"
-    if lc.rdzv_endpoint.startswith("localhost") or lc.rdzv_endpoint.endswith(":0"):
-        raise UserError(f"launcher.nnodes={lc.nnodes} needs launcher.rdzv_endpoint=<host of node 0>:<free port> "
-                        f"(now {lc.rdzv_endpoint}), the same on every node")
-
-
-def resolve_layout(cfg: DictConfig) -> tuple[int, int]:
-    """Fill in parallel.dp (when -1) and launcher.nproc_per_node (when 0); return (world_size, nproc_per_node).
-
-    Under torchrun the world comes from its environment; otherwise from the launcher counts, or, when
-    those are left at 0, from the parallel layout itself (so `parallel=tp8` alone means 8 ranks).
-    """
-    p, launcher = cfg.parallel, cfg.launcher
-    if p.name == "auto":
-        from speedllm.planner import choose_layout
-
-        choose_layout(cfg)
-    model_parallel = p.tp * p.pp * p.cp
-    if under_torchrun():
-        world, nproc = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    elif launcher.nproc_per_node > 0:
-        nproc = launcher.nproc_per_node
-        world = launcher.nnodes * nproc
-    else:
-        world = max(p.dp, 1) * model_parallel
-        if world % launcher.nnodes:
-            raise UserError(f"the layout needs {world} ranks, which launcher.nnodes={launcher.nnodes} does not divide; "
-                            f"set launcher.nproc_per_node explicitly")
-        nproc = world // launcher.nnodes
-    if p.dp == -1:
-        if world % model_parallel:
-            raise UserError(f"world size {world} is not divisible by tp x pp x cp = {model_parallel}; "
-                            f"fix launcher.nproc_per_node / launcher.nnodes or the parallel degrees")
-        p.dp = world // model_parallel
-    launcher.nproc_per_node = nproc
-    return world, nproc
 
 
 def write_frozen(cfg: DictConfig, run_dir: Path) -> Path:
@@ -144,18 +87,8 @@ def _run_under_torchrun(cfg: DictConfig) -> None:
 
 
 def freeze_and_run(cfg: DictConfig) -> None:
-    resolve_hardware(cfg)
-    validate_values(cfg)
-    if not cfg.task.in_process:  # a job that is not launched needs no rendezvous
-        resolve_nodes(cfg)
-    world, nproc = resolve_layout(cfg)
-    validate(cfg, world, nproc)
-    if cfg.task.inference:
-        from speedllm.infer.load import adopt_checkpoint_config
-
-        # before freezing, so config.yaml is the model that runs; the adopted model is validated too
-        if adopt_checkpoint_config(cfg):
-            validate(cfg, world, nproc)
+    world, nproc = resolve(cfg)  # fill in what the user left to us (hardware, checkpoint's model, layout) ...
+    validate(cfg, world, nproc)  # ... then one pre-flight pass over the final config
     cfg.run_dir = str(Path(cfg.run_dir).absolute())
     if under_torchrun():
         return _run_under_torchrun(cfg)

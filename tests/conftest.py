@@ -15,7 +15,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from speedllm.config.schema import ModelConfig
+from speedllm.models.config import ModelConfig
 from speedllm.paths import ASSETS, ROOT
 
 DEMO_TOKENIZER = ASSETS / "tokenizers" / "demo"

@@ -18,8 +18,8 @@ import torch
 from omegaconf import OmegaConf
 
 from speedllm.config import compose_config
-from speedllm.paths import ASSETS, ROOT
 from speedllm.launcher import launch
+from speedllm.paths import ASSETS, ROOT
 
 DEMO_TOKENIZER = ASSETS / "tokenizers" / "demo"
 # A small qwen3_tiny (demo tokenizer's 8192 vocabulary) so checkpoints are cheap to write and copy.
@@ -713,7 +713,7 @@ def test_launch_py_bad_inputs_end_to_end(ckpt, tmp_path):
 def test_prompt_dash_reads_stdin(monkeypatch):
     import io
 
-    from speedllm.infer.generate import read_prompts
+    from speedllm.tasks.generate import read_prompts
 
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hello, world\nsecond line\n"))
     assert read_prompts(compose_config("task=generate", "generate.prompt=-").generate) == ["Hello, world\nsecond line"]
@@ -736,7 +736,7 @@ def test_training_only_rules_do_not_apply_to_inference():
 
 
 def test_plan_with_demo_sizes_on_a_big_model_says_what_to_pass():
-    from speedllm.planner.plan import demo_sized_note
+    from speedllm.tasks.plan import demo_sized_note
 
     note = demo_sized_note(compose_config("task=plan", "model=qwen3_8b"))
     assert "train.seq_len=128" in note and "train.seq_len=4096 train.global_batch_size=1024" in note

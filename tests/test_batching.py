@@ -4,9 +4,9 @@ import threading
 
 import torch
 
-from speedllm.infer.batching import Batcher, Request
-from speedllm.infer.engine import generate_ids
-from speedllm.infer.sampling import Sampling
+from speedllm.generation.batching import Batcher, Request
+from speedllm.generation.engine import generate_ids
+from speedllm.generation.sampling import Sampling
 
 
 def run_requests(model, requests, max_batch, stop_ids=()):

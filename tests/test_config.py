@@ -8,10 +8,10 @@ import pytest
 from omegaconf import open_dict
 
 from speedllm.config import compose_config
+from speedllm.config.resolve import resolve_layout
 from speedllm.config.validate import check_world, validate
 from speedllm.errors import UserError
 from speedllm.hardware import load_profile
-from speedllm.launcher import resolve_layout
 from speedllm.paths import ASSETS, CONF, ROOT
 
 pytestmark = pytest.mark.unit
@@ -338,3 +338,13 @@ LAYOUT_ERRORS = {
     ("qwen3_tiny", "tp8_pp2_vpp8"):
         "parallel.tp=8 does not divide num_attention_heads=4 of model qwen3_tiny; use tp in {1, 2}",
 }
+
+
+def test_help_lists_only_options_a_user_can_pick(launch, tmp_path):
+    """`--help` names each group's yaml files; the schemas registered for typing are no choices."""
+    code, out, err = launch(tmp_path, "--help")
+    assert code == 0, err
+    groups = dict(line.split(": ", 1) for line in out.split("== Config ==")[0].splitlines() if ": " in line)
+    assert set(groups) == {p.name for p in CONF.iterdir() if p.is_dir()}
+    for group, listed in groups.items():
+        assert listed.split(", ") == sorted(p.stem for p in (CONF / group).glob("*.yaml")), group

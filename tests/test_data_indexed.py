@@ -201,7 +201,7 @@ def test_empty_documents_are_skipped_and_counted(tmp_path, capsys):
     """1% empty or whitespace-only documents: the same tokens as the clean corpus, and the count reported."""
     from omegaconf import OmegaConf
 
-    from speedllm.data.preprocess import run
+    from speedllm.tasks.preprocess import run
 
     docs = [f"document {i}: " + "to be or not to be " * (i % 7 + 1) for i in range(297)]
     noisy = list(docs)

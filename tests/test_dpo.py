@@ -8,16 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
-from speedllm.data.pairs import load_pairs, to_pair
-from speedllm.data.tokenizer import load_tokenizer
-from speedllm.errors import UserError
-from speedllm.finetune.dpo import run
-from speedllm.runtime import Runtime
 from test_finetune_lora import config
 from test_hf import save_hf
 from test_train_loop import TINY, metrics
 from test_train_sft import assistant_targets
+
+from speedllm.data.pairs import load_pairs, to_pair
+from speedllm.data.tokenizer import load_tokenizer
+from speedllm.errors import UserError
+from speedllm.runtime import Runtime
+from speedllm.tasks.dpo import run
 
 DPO = ["task=dpo", "data.format=pairs", "train.seq_len=96", "optim.warmup_steps=0", "optim.schedule=constant"]
 PROMPT, CHOSEN, REJECTED = "What is 2 + 3?", "2 + 3 = 5.", "2 + 3 = 7."
@@ -127,9 +127,9 @@ def test_reward_accuracy_rises_above_0_9_on_an_easy_preference(tmp_path):
 def test_finetune_and_dpo_settings_are_validated_before_launch(overrides, message):
     from omegaconf import open_dict
 
-    from speedllm.config.validate import validate
-    from speedllm.launcher import resolve_layout
     from speedllm.config import compose_config as composed
+    from speedllm.config.resolve import resolve_layout
+    from speedllm.config.validate import validate
 
     cfg = composed("hardware=cpu", *overrides)
     with open_dict(cfg):

@@ -7,9 +7,9 @@ import pytest
 import torch.distributed as dist
 
 from speedllm.config import compose_config
-from speedllm.config.rules import layout_errors
 from speedllm.config.schema import typed
-from speedllm.dryrun import build_rank, sample_ranks
+from speedllm.parallel.rules import layout_errors
+from speedllm.tasks.dryrun import build_rank, sample_ranks
 
 pytestmark = pytest.mark.unit
 

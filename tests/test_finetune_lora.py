@@ -12,25 +12,27 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
+from test_hf import save_hf
+from test_train_loop import TINY, metrics
 
-from speedllm.checkpoint.convert import run as convert
+from speedllm.adapters.lora import apply_lora, is_adapter
+from speedllm.checkpoint.adapters import load_base
 from speedllm.checkpoint.dcp import latest_checkpoint, load_checkpoint
 from speedllm.checkpoint.hf import load_hf_weights
 from speedllm.config import compose_config
-from speedllm.config.schema import ModelConfig
-from speedllm.paths import CONF
 from speedllm.data.loader import build_loader
 from speedllm.errors import UserError
-from speedllm.finetune.base import load_base
-from speedllm.finetune.lora import apply_lora, is_adapter
-from speedllm.infer.load import load_model
+from speedllm.generation.load import load_model
+from speedllm.models.config import ModelConfig
 from speedllm.models.qwen3 import Qwen3
+from speedllm.paths import CONF
 from speedllm.runtime import Runtime, seed_everything
-from speedllm.train.loop import build_model, run, train_step
+from speedllm.tasks.convert import run as convert
+from speedllm.tasks.pretrain import run
+from speedllm.train.build import build_model
 from speedllm.train.optimizer import build_optimizer
 from speedllm.train.schedule import build_scheduler
-from test_hf import save_hf
-from test_train_loop import TINY, metrics
+from speedllm.train.step import train_step
 
 SFT = ["task=sft", "model=hf", "train.seq_len=128", "train.micro_batch_size=2", "train.global_batch_size=2",
        "optim.warmup_steps=0", "optim.schedule=constant", "optim.lr=1e-2"]

@@ -5,9 +5,9 @@ Same base (per-shard initialization), same adapter start (seeded per name), 5 st
 """
 
 import pytest
-
-from speedllm.finetune.export import read_adapters
 from test_parallel import DENSE, losses, run_all
+
+from speedllm.checkpoint.adapters import read_adapters
 
 LORA = ["finetune=lora", "finetune.rank=4", "optim.lr=1e-2"]
 LAYOUTS = {"fsdp2": ["parallel=fsdp2"], "tp2": ["parallel=tp2"], "pp2": ["parallel=pp2"]}

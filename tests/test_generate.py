@@ -18,8 +18,8 @@ from transformers.generation.logits_process import (
 
 from speedllm.config.schema import GenerateConfig
 from speedllm.data.tokenizer import load_tokenizer
-from speedllm.infer.engine import StopStrings, TextStream, generate_ids
-from speedllm.infer.sampling import Sampling, process_logits
+from speedllm.generation.engine import Detokenizer, StopStrings, generate_ids
+from speedllm.generation.sampling import Sampling, process_logits
 from speedllm.models import Qwen3
 from speedllm.models.hf_adapter import from_hf_state_dict
 from speedllm.paths import ASSETS
@@ -113,8 +113,9 @@ def test_stop_strings_and_streaming(hf_pair):
     _, _, ours = hf_pair(seed=8, vocab_size=len(tok))
     prompt = tok.encode("ROMEO:", add_special_tokens=False)
     streamed = []
+    detok = Detokenizer(tok, [], [])
     full = generate_ids(ours, [prompt], 12, Sampling(), [], 0, torch.float32,
-                        on_token=TextStream(tok, streamed.append))
+                        on_token=lambda token: streamed.append(detok.add(token)))
     text = tok.decode(full[0], skip_special_tokens=True)
     assert "".join(streamed) == text
     stop = text[len(text) // 2: len(text) // 2 + 2]
@@ -127,7 +128,7 @@ def test_stop_strings_and_streaming(hf_pair):
 
 def test_sample_texts_for_the_training_loop(hf_pair):
     """The end-of-training samples: greedy completions as text, the model handed back in training mode."""
-    from speedllm.infer.generate import sample_texts
+    from speedllm.generation.complete import sample_texts
 
     tok = load_tokenizer(str(DEMO_TOKENIZER))
     _, hf, ours = hf_pair(seed=10, vocab_size=len(tok))

@@ -16,9 +16,9 @@ from lm_eval import simple_evaluate  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from speedllm.paths import ASSETS, ROOT  # noqa: E402
 from speedllm.data.tokenizer import load_tokenizer  # noqa: E402
-from speedllm.infer.harness import SpeedLM  # noqa: E402
+from speedllm.generation.harness import SpeedLM  # noqa: E402
+from speedllm.paths import ASSETS, ROOT  # noqa: E402
 
 DEMO_TOKENIZER = ASSETS / "tokenizers" / "demo"
 QUESTIONS = [("The king of Denmark is", ["Hamlet", "Lear", "Romeo", "Macbeth"], 0),

@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from speedllm.checkpoint.hf import export_model, hf_model_fields, load_hf_weights, parse_size
 from speedllm.config import compose_config
-from speedllm.config.schema import ModelConfig
 from speedllm.errors import UserError
+from speedllm.models.config import ModelConfig
 from speedllm.models.qwen3 import Qwen3
 from speedllm.paths import ASSETS
 
@@ -295,8 +295,8 @@ def test_demo_style_export_stops_at_its_end_token_in_transformers_generate(tmp_p
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from speedllm.checkpoint.convert import dcp_to_hf
     from speedllm.checkpoint.dcp import save_checkpoint
+    from speedllm.tasks.convert import dcp_to_hf
 
     cfg = compose_config("model=qwen3_tiny", "model.hidden_size=32", "model.intermediate_size=64",
                    "model.num_hidden_layers=1", "model.head_dim=8", "model.tie_word_embeddings=false",

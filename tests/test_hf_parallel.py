@@ -73,9 +73,9 @@ def test_tp2_pp2_checkpoint_exports_to_transformers(hf_dir, single, tmp_path, la
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    from speedllm.checkpoint.convert import dcp_to_hf
     from speedllm.checkpoint.dcp import _quiet_dcp
     from speedllm.models.qwen3 import Qwen3
+    from speedllm.tasks.convert import dcp_to_hf
 
     code, out, err = launch(tmp_path / "train", *RUN, "parallel=tp2_pp2", f"checkpoint.load_hf={hf_dir}")
     assert code == 0, out[-3000:] + err[-3000:]

@@ -48,11 +48,11 @@ def test_any_block_equals_that_block_of_the_whole_tensor():
 
 
 def _model(overrides, world_size, rank=0):
-    """This rank's ParallelModel, built as the training loop builds it (speedllm.train.loop.build_model)."""
+    """This rank's ParallelModel, built as the training loop builds it (speedllm.train.build.build_model)."""
     from speedllm.config import compose_config
     from speedllm.parallel.mesh import build_mesh
     from speedllm.runtime import Runtime
-    from speedllm.train.loop import build_model
+    from speedllm.train.build import build_model
 
     cfg = compose_config("hardware=cpu", "seed=11", *overrides)
     mesh = build_mesh(cfg.parallel, "cpu") if world_size > 1 else None

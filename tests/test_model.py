@@ -9,8 +9,8 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
-from speedllm.config.schema import ModelConfig
 from speedllm.models import KVCache, Qwen3, num_params
+from speedllm.models.config import ModelConfig
 from speedllm.models.hf_adapter import from_hf_state_dict, hf_config, model_config_from_hf, to_hf_state_dict
 from speedllm.paths import CONF
 

@@ -65,7 +65,8 @@ def evaluate_initial(path: Path, overrides, rank=0, world_size=1) -> None:
     from speedllm.config.schema import typed
     from speedllm.data.loader import build_loader
     from speedllm.runtime import seed_everything
-    from speedllm.train.loop import build_model, model_inputs
+    from speedllm.train.build import build_model
+    from speedllm.train.step import model_inputs
 
     cfg = typed(config(path.parent, overrides))
     seed_everything(cfg.seed)

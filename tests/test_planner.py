@@ -8,9 +8,9 @@ import torch
 from omegaconf import OmegaConf
 
 from speedllm.config import compose_config
+from speedllm.config.resolve import choose_layout
 from speedllm.config.validate import validate
 from speedllm.hardware import load_profile
-from speedllm.planner import choose_layout
 from speedllm.planner.layout import Layout, layout_from_config, stage_layers
 from speedllm.planner.measure import measure_training_step
 from speedllm.planner.memory import rank_params

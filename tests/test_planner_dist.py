@@ -1,6 +1,6 @@
 """The planner against what multi-rank CPU runs actually hold and allocate (gloo, the tiny models).
 
-Each layout runs the real training code path (speedllm.train.loop.build_model and train_step) on 2 spawned
+Each layout runs the real training code path (speedllm.train.build.build_model and train_step) on 2 spawned
 ranks (speedllm.planner.measure.measure_layout). Measured per rank: the parameter elements it stores (local
 shards), the bytes of its weights, of the gradients the update sees and of the AdamW states, and the peak
 bytes of live tensor storage during a step (PeakTensorMemory: every allocation an op makes, FSDP2's storage
@@ -40,7 +40,7 @@ def test_planner_matches_sharded_runs(model, parallel, optim, tmp_path):
     # SGD with momentum keeps one buffer per parameter (Adafactor runs single-process: tests/test_planner.py)
     extra = ["optim.momentum=0.9"] if optim == "sgd" else []
     overrides = [f"model={model}", f"parallel={parallel}", f"optim={optim}", *extra, *COMMON]
-    records = measure_layout(overrides, 2, tmp_path)
+    records = measure_layout(compose_config(*overrides), 2, tmp_path)
     held, memories = predicted(overrides, 2)
     for rec in records:
         mem = memories[rec["pp_rank"]]

@@ -4,16 +4,16 @@ adapters and follows LoRA's losses closely, and the planner's bytes per base wei
 import pytest
 import torch
 from omegaconf import OmegaConf
-
-from speedllm.config.schema import ModelConfig
-from speedllm.paths import CONF
-from speedllm.finetune.base import base_bytes, load_base
-from speedllm.finetune.lora import target_linears
-from speedllm.models.qwen3 import Qwen3
-from speedllm.runtime import Runtime, seed_everything
-from speedllm.train.loop import build_model
 from test_finetune_lora import LORA, config, steps
 from test_train_loop import TINY
+
+from speedllm.adapters.lora import target_linears
+from speedllm.checkpoint.adapters import base_bytes, load_base
+from speedllm.models.config import ModelConfig
+from speedllm.models.qwen3 import Qwen3
+from speedllm.paths import CONF
+from speedllm.runtime import Runtime, seed_everything
+from speedllm.train.build import build_model
 
 SFT = ["task=sft", "train.seq_len=64", "optim.warmup_steps=0", "optim.lr=1e-2"]
 # every projection a multiple of NF4's 64 x 256 blocks

@@ -12,9 +12,9 @@ from torch import nn
 
 from speedllm.config import compose_config as composed
 from speedllm.config.schema import QuantConfig
-from speedllm.infer.engine import generate_ids
+from speedllm.generation.engine import generate_ids
+from speedllm.generation.sampling import Sampling
 from speedllm.paths import CONF
-from speedllm.infer.sampling import Sampling
 from speedllm.quant import QUANTIZED, bytes_per_weight, is_quantized, qat_int4_config, quantize_for_inference
 
 torchao = pytest.importorskip("torchao")
@@ -128,7 +128,7 @@ def test_int4_and_int8_models_stay_close_to_fp32_on_text_the_fp32_model_wrote(mo
 def test_int8_hf_export_loads_in_transformers_with_the_same_greedy_tokens(model_pair, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from speedllm.checkpoint.convert import hf_to_dcp, run
+    from speedllm.tasks.convert import hf_to_dcp, run
 
     hf, ours = model_pair
     hf.save_pretrained(tmp_path / "hf")
@@ -203,7 +203,7 @@ def test_qat_int4_training_computes_with_the_int4_weights_inference_will_use(tmp
 
     from speedllm.quant.int4 import quantize_int4
     from speedllm.runtime import Runtime
-    from speedllm.train.loop import build_model
+    from speedllm.train.build import build_model
 
     qat = build_model(config(tmp_path, "quant=qat_int4", "quant.group_size=32"), Runtime()).module
     plain = build_model(config(tmp_path, "quant=none"), Runtime()).module
@@ -229,9 +229,10 @@ def test_qat_int4_training_computes_with_the_int4_weights_inference_will_use(tmp
 def test_quantizing_while_loading_equals_quantizing_the_loaded_model(name, tied, save_tiny_hf, tmp_path):
     """load_model quantizes piece by piece as it reads (HF directory and DCP checkpoint); the result is the
     full-precision model loaded whole and then quantized, tensor for tensor."""
-    from speedllm.checkpoint.convert import hf_to_dcp
-    from speedllm.infer.load import adopt_checkpoint_config, load_model
+    from speedllm.config.resolve import adopt_checkpoint_config
+    from speedllm.generation.load import load_model
     from speedllm.runtime import Runtime
+    from speedllm.tasks.convert import hf_to_dcp
 
     save_tiny_hf(tmp_path / "hf", tokenizer=False, vocab_size=128, hidden_size=64, intermediate_size=128,
                  tie_word_embeddings=tied)
@@ -250,7 +251,7 @@ def test_quantizing_while_loading_equals_quantizing_the_loaded_model(name, tied,
 def test_quantizing_while_loading_never_holds_the_full_precision_model(save_tiny_hf, tmp_path):
     """Peak live tensor bytes while loading int8_wo: the int8 model plus about one fp32 layer, against the fp32
     model's own bytes (which loading then quantizing holds whole, measured the same way)."""
-    from speedllm.infer.load import load_model
+    from speedllm.generation.load import load_model
     from speedllm.planner.measure import PeakTensorMemory
     from speedllm.runtime import Runtime
 

@@ -33,7 +33,7 @@ ROWWISE = ("o_proj", "down_proj")
 
 
 def config(root, source, name, tp):
-    from speedllm.infer.load import adopt_checkpoint_config
+    from speedllm.config.resolve import adopt_checkpoint_config
 
     weights = ([f"checkpoint.load={root / 'dcp'}"] if source == "dcp" else
                ["model=hf", f"checkpoint.load_hf={root / 'hf'}"])
@@ -44,7 +44,7 @@ def config(root, source, name, tp):
 
 
 def load(root, source, name, tp):
-    from speedllm.infer.load import load_model
+    from speedllm.generation.load import load_model
 
     cfg = config(root, source, name, tp)
     rank = torch.distributed.get_rank() if tp == 2 else 0
@@ -57,7 +57,7 @@ def outputs(model, tp) -> dict:
     bytes of this rank's weights (the int8 per-row scales left out, as the planner leaves them out)."""
     from torch.distributed.tensor import DTensor
 
-    from speedllm.infer.engine import generate_ids
+    from speedllm.generation.engine import generate_ids
 
     local = [t.to_local() if isinstance(t, DTensor) else t for n, t in model.state_dict().items()
              if not n.endswith(".scale")]
@@ -83,7 +83,7 @@ def _rank(rank, port, root):
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory, save_tiny_hf):
-    from speedllm.checkpoint.convert import hf_to_dcp
+    from speedllm.tasks.convert import hf_to_dcp
 
     root = tmp_path_factory.mktemp("quant_tp")
     # 4 heads of 16 (2 kv heads), MLP 128: every shard's width is a multiple of group size 32 and of 16 rows

@@ -10,8 +10,8 @@ import torch
 from test_hf import our_model, save_hf
 
 from speedllm.errors import UserError
-from speedllm.infer.engine import generate_ids
-from speedllm.infer.sampling import Sampling
+from speedllm.generation.engine import generate_ids
+from speedllm.generation.sampling import Sampling
 from speedllm.models.hf_adapter import hf_config_dict, model_config_from_hf
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}

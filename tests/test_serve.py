@@ -19,10 +19,10 @@ import pytest
 import torch
 from test_generate import DEMO_TOKENIZER, hf_greedy, stop_ids
 
-from speedllm.paths import ROOT
 from speedllm.data.tokenizer import load_tokenizer
-from speedllm.infer.batching import Batcher
-from speedllm.infer.serve import ApiError, Server, build_app
+from speedllm.generation.batching import Batcher
+from speedllm.paths import ROOT
+from speedllm.tasks.serve import ApiError, Server, build_app
 
 MODEL_ID = "tiny-qwen3"
 

@@ -20,10 +20,12 @@ from speedllm.checkpoint.dcp import latest_checkpoint, load_checkpoint
 from speedllm.config import compose_config
 from speedllm.errors import UserError
 from speedllm.runtime import Runtime
-from speedllm.train.loop import build_model, run, train_step
+from speedllm.tasks.pretrain import run
+from speedllm.train.build import build_model
 from speedllm.train.metrics import flops_per_token
 from speedllm.train.optimizer import build_optimizer
 from speedllm.train.schedule import build_scheduler
+from speedllm.train.step import train_step
 
 pytestmark = pytest.mark.numerics
 
@@ -150,7 +152,7 @@ _TRAINER = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from test_train_loop import config
     from speedllm.runtime import Runtime
-    from speedllm.train.loop import run
+    from speedllm.tasks.pretrain import run
     from pathlib import Path
     run(config(Path(sys.argv[1]), "train.steps=1000"), Runtime())
 """)

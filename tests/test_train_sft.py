@@ -3,15 +3,17 @@ found independently in the token ids), and a short run raises held-out answer ac
 
 import pytest
 import torch
+from test_train_loop import config
 
 from speedllm.checkpoint.dcp import latest_checkpoint, load_checkpoint
 from speedllm.data.loader import build_loader
 from speedllm.data.tokenizer import load_tokenizer
 from speedllm.runtime import Runtime
-from speedllm.train.loop import build_model, run, train_step
+from speedllm.tasks.pretrain import run
+from speedllm.train.build import build_model
 from speedllm.train.optimizer import build_optimizer
 from speedllm.train.schedule import build_scheduler
-from test_train_loop import config
+from speedllm.train.step import train_step
 
 pytestmark = pytest.mark.numerics
 

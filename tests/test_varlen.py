@@ -11,7 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from speedllm.config.schema import ModelConfig
+from speedllm.models.config import ModelConfig
 from speedllm.models.qwen3 import Qwen3, document_bounds, masked_attention
 from speedllm.ops import get_ops, reference
 

@@ -166,7 +166,7 @@ def _trained_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
     """(model, optimizer) state dicts without the frozen parameters, and the options to load them back.
 
     Frozen parameters (the base under LoRA adapters) stay out of training checkpoints: they come from their own
-    source (speedllm.finetune.base), so an adapter checkpoint is small. (StateDictOptions.ignore_frozen_params
+    source (speedllm.checkpoint.adapters), so an adapter checkpoint is small. (StateDictOptions.ignore_frozen_params
     keeps the second name of a tied weight, so the names are filtered here.)
     """
     frozen = {n.replace("_checkpoint_wrapped_module.", "") for n, p in model.named_parameters(remove_duplicate=False)

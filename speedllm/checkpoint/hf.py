@@ -10,6 +10,15 @@ config.json, generation_config.json and the tokenizer files, into a temp directo
 
 Names follow speedllm.models.hf_adapter (the one name map); the files are checked against the shapes the
 config implies before anything is read, so a bad directory fails with the tensor named, not mid-load.
+
+Why not torch.distributed.checkpoint's HuggingFaceStorageReader / Writer (what torchtitan uses): they map one
+stored key to one state-dict key. Our MoE experts are one stacked [E, out, in] parameter made of E stored
+tensors, so reading through DCP would first build every expert's full tensor under its HF name and then copy
+them into the stack (a rank of an EP/FSDP layout here reads only its experts' slices), and writing would need
+the unstacking done beforehand plus DCP's consolidation pass to give transformers' shard layout and index.
+The tied lm_head (absent from the files) is a third special case. Reading and writing with `safetensors`
+directly keeps each of these one line; tensors round-trip bit-exactly and transformers loads the export
+(tests/test_hf.py).
 """
 
 import json
@@ -24,9 +33,9 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple, get_origin
 import torch
 from torch import nn
 
-from speedllm.config.schema import ModelConfig
+from speedllm.adapters.lora import is_adapter
 from speedllm.errors import UserError, reading
-from speedllm.finetune.lora import is_adapter
+from speedllm.models.config import ModelConfig
 from speedllm.models.hf_adapter import hf_config, model_config_from_hf, to_hf_state_dict
 from speedllm.outputs import MARKER, make_scratch_dir
 
@@ -77,7 +86,7 @@ def hf_model_fields(path: str) -> dict:
     with reading(f"checkpoint.load_hf={path}: config.json", fix):
         found = model_config_from_hf(read_hf_config(path))
     fields_ = {key: found.get(key, defaults[key]) for key in ARCH_FIELDS + OTHER_FIELDS}
-    from speedllm.config.schema import ModelConfig
+    from speedllm.models.config import ModelConfig
 
     # plain fields and lists are checked here; rope_scaling (a dict or None) by speedllm.models.rope
     kinds = {f.name: f.type if f.type in (int, float, bool) else list for f in fields(ModelConfig)
@@ -317,8 +326,7 @@ def _config_json(model_cfg, source: Optional[Path], dtype: torch.dtype) -> dict:
 def _token_ids(tokenizer_dir: Path, vocab_size: int) -> dict:
     """bos/eos/pad ids for config.json, and the ids generation stops at (eos, end of turn, end of text): those of
     the tokenizer's ids the model's vocabulary has."""
-    from speedllm.data.tokenizer import load_tokenizer
-    from speedllm.infer.load import pad_id_of, stop_ids_of
+    from speedllm.data.tokenizer import load_tokenizer, pad_id_of, stop_ids_of
 
     tok = load_tokenizer(str(tokenizer_dir))
     ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": pad_id_of(tok)}

@@ -24,7 +24,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     for schema in OPTIMIZERS.values():
-        cs.store(group="optim", name=f"{schema.name}_schema", node=schema)
+        cs.store(name=f"optim_{schema.name}_schema", node=schema)  # no group: not an option --help lists
 
 
 def compose_config(*overrides: str) -> DictConfig:

@@ -5,41 +5,12 @@ value of the wrong type is rejected before anything runs. Cross-field rules live
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 from omegaconf import MISSING, OmegaConf
 
-
-@dataclass
-class ModelConfig:
-    """Qwen3 architecture; field names follow transformers' Qwen3Config / Qwen3MoeConfig."""
-
-    name: str = MISSING
-    vocab_size: int = MISSING
-    hidden_size: int = MISSING
-    intermediate_size: int = MISSING
-    num_hidden_layers: int = MISSING
-    num_attention_heads: int = MISSING
-    num_key_value_heads: int = MISSING
-    head_dim: int = 128
-    max_position_embeddings: int = 40960
-    rope_theta: float = 1_000_000.0
-    # RoPE scaling as transformers' rope_parameters without rope_theta, e.g. {rope_type: yarn, factor: 4.0,
-    # original_max_position_embeddings: 32768}; rope_type: linear | dynamic | yarn. None: plain RoPE.
-    rope_scaling: Any = None  # a dict (typed as Any so conf/model/hf.yaml can interpolate it)
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    initializer_range: float = 0.02
-    # MoE (num_experts == 0 means dense)
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = True
-    decoder_sparse_step: int = 1
-    mlp_only_layers: List[int] = field(default_factory=list)
-    router_aux_loss_coef: float = 0.001
-    # default tokenizer directory for this model (data.tokenizer defaults to it)
-    tokenizer: str = "${asset:tokenizers/qwen3}"
+from speedllm.hardware import HardwareConfig
+from speedllm.models.config import PROJECTIONS, ModelConfig
 
 
 @dataclass
@@ -66,25 +37,6 @@ class ParallelConfig:
 
 
 @dataclass
-class HardwareConfig:
-    """A device profile: what to run on and how fast it is (used for MFU and the planner)."""
-
-    name: str = "auto"
-    device: str = "cpu"  # cpu | cuda | npu
-    backend: str = "gloo"  # gloo | nccl | hccl
-    ops: str = "reference"  # op implementations: reference | cpu | cuda | npu
-    dtype: str = "float32"  # compute dtype (bf16 on GPU/NPU with fp32 master weights)
-    memory_gb: float = 16.0  # memory per device
-    peak_tflops: Dict[str, float] = field(default_factory=lambda: {"float32": 0.1, "bfloat16": 0.01})
-    memory_bandwidth_gbps: float = 20.0
-    intra_node_bandwidth_gbps: float = 10.0
-    inter_node_bandwidth_gbps: float = 1.0
-    devices_per_node: int = 8
-    env: Dict[str, str] = field(default_factory=dict)
-    float8: bool = False  # float8 matmuls (NVIDIA SM 8.9+: H100/H200/L40/RTX 40xx); gates quant=float8
-
-
-@dataclass
 class QuantConfig:
     """quant=: weight quantization for inference, low-precision or quantization-aware training (speedllm.quant)."""
 
@@ -99,7 +51,7 @@ class TaskConfig:
     """What the run does: conf/task/<name>.yaml names the callable `_target_(cfg, rt)` that runs it."""
 
     name: str = "pretrain"  # pretrain | sft | dpo | generate | chat | serve | evaluate | preprocess | convert | plan | dryrun | doctor
-    _target_: str = "speedllm.train.loop.run"
+    _target_: str = "speedllm.tasks.pretrain.run"
     # planning or converting between machines: one process, no devices (the world size is not launched)
     in_process: bool = False
     # runs a trained model (tensor + data parallel layouts only; training-only rules do not apply)
@@ -321,8 +273,7 @@ class FinetuneConfig:
     alpha: float = 16.0  # adapters are scaled by alpha / rank, as in PEFT
     dropout: float = 0.0
     # module names (the last part of the name, as PEFT's target_modules) to adapt
-    targets: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                        "up_proj", "down_proj"])
+    targets: List[str] = field(default_factory=lambda: list(PROJECTIONS))
     adapter: Optional[str] = None  # a PEFT adapter directory to start from
 
 

@@ -10,10 +10,11 @@ from glob import glob
 
 from omegaconf import DictConfig, OmegaConf
 
-from speedllm.config.rules import divisors, inference_layout_errors, layout_errors
 from speedllm.errors import UserError
 from speedllm.hardware import DTYPES
+from speedllm.models.config import PROJECTIONS
 from speedllm.ops import IMPLEMENTATIONS
+from speedllm.parallel.rules import divisors, inference_layout_errors, layout_errors
 from speedllm.quant import FLOAT8_RECIPES, QUANT_NAMES, TRAINING
 from speedllm.train.muon import ADJUST_LR_FNS, NS_DTYPES
 from speedllm.train.schedule import SCHEDULES
@@ -39,7 +40,7 @@ CHOICES = {
     "finetune.name": ("full", "lora", "qlora"),
     "evaluate.split": ("train", "valid", "test"),
 }
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = PROJECTIONS
 
 
 def _at_least(low):
@@ -282,7 +283,7 @@ def check_finetune(cfg: DictConfig) -> None:
         raise UserError(f"finetune=qlora runs in one process (NF4 base); use parallel=single, or finetune=lora for "
                         f"{p.name}")
     if ft.adapter is not None:
-        from speedllm.finetune.peft import read_peft_config
+        from speedllm.adapters.peft import read_peft_config
 
         read_peft_config(ft.adapter, ft)
 

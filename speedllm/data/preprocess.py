@@ -1,4 +1,4 @@
-"""task=preprocess: text files -> a Megatron `.bin/.idx` pair plus `<prefix>.json` metadata.
+"""Preprocessing (task=preprocess): text files -> a Megatron `.bin/.idx` pair plus `<prefix>.json` metadata.
 
 Inputs: `.jsonl` (one JSON object per line), `.json` (a list of objects), `.parquet`, or plain text
 (`.txt` or anything else: one document per file); `.gz` / `.xz` / `.bz2` compression is read
@@ -289,28 +289,4 @@ def preprocess(
             pool.terminate()
         if os.path.exists(output_prefix + ".json.tmp"):
             os.remove(output_prefix + ".json.tmp")
-    return meta
-
-
-def run(cfg, rt=None) -> dict:
-    """task=preprocess entry (rank 0, in process): writes `data.output_prefix`.{bin,idx,json} and reports.
-
-    `rt` is the launcher's Runtime, unused: preprocessing is one process with its own worker pool.
-    """
-    d = cfg.data
-    if not d.output_prefix:
-        raise UserError("data.output_prefix is not set — pass data.output_prefix=<path prefix for .bin/.idx>")
-    meta = preprocess(
-        d.input, d.output_prefix, d.tokenizer, list(d.text_key), d.append_eod, d.workers, d.on_error,
-        d.trust_remote_code, progress=cfg.logging.progress_bar,
-    )
-    skipped = sum(meta["skipped"].values())
-    reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(meta["skipped"].items()))
-    print(
-        f"preprocess: read {meta['num_documents'] + skipped} records, wrote {meta['num_documents']} documents "
-        f"({meta['num_tokens']} tokens) -> {d.output_prefix}.bin/.idx/.json ({meta['dtype']}), skipped {skipped}"
-        + (f" ({reasons})" if skipped else "")
-        + f"; {meta['tokens_per_second']:.0f} tokens/s with {d.workers} worker(s) ({meta['seconds']:.2f}s, plus "
-        f"{meta['setup_seconds']:.2f}s loading the tokenizer)"
-    )
     return meta

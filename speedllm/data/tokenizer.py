@@ -1,4 +1,5 @@
-"""Tokenizer loading (any HF tokenizer directory) and a cheap vocabulary-size probe for config checks."""
+"""Tokenizer loading (any HF tokenizer directory), the ids generation needs (stop, pad), and a cheap
+vocabulary-size probe for config checks."""
 
 import json
 from functools import lru_cache
@@ -26,6 +27,29 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     _check_dir(path)
     with reading(f"data.tokenizer={path}", FIX):
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code, local_files_only=True)
+
+
+def tokenizer_for(cfg):
+    """The tokenizer of data.tokenizer (for a checkpoint: the one it was trained with)."""
+    return load_tokenizer(str(cfg.data.tokenizer), cfg.data.trust_remote_code)
+
+
+def stop_ids_of(tokenizer) -> list:
+    """Token ids that end a completion: eos, Qwen's end of turn and end of text, when the tokenizer has them."""
+    ids = {tokenizer.eos_token_id}
+    for token in ("<|im_end|>", "<|endoftext|>"):
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            ids.add(tid)
+    return sorted(i for i in ids if i is not None)
+
+
+def pad_id_of(tokenizer) -> int:
+    """The id that fills left padding and finished rows (never attended to, never returned)."""
+    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if tid is not None:
+            return tid
+    return 0
 
 
 @lru_cache(maxsize=None)

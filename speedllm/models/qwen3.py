@@ -151,7 +151,7 @@ class Qwen3(nn.Module):
     """Qwen3 causal LM (dense, or MoE when cfg.num_experts > 0).
 
     Args:
-        cfg: fields of speedllm.config.schema.ModelConfig (DictConfig or dataclass).
+        cfg: fields of speedllm.models.config.ModelConfig (DictConfig or dataclass).
         ops: op set name (reference | cpu | cuda | npu), normally the hardware profile's `ops`.
         output_loss: (hidden_ND, weight_VD, labels_N, chunk_size, cross_entropy) -> ce_sum, the output
             projection + summed cross-entropy; a layout may need its own (speedllm.parallel.output_loss_for:

@@ -258,7 +258,7 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, mode: str, ulysses: int) -> 
     forward its inputs, an `attend` function and the MoE statistics' sum; no module is changed.
 
     Args:
-        mode: parallel.cp_mode; ulysses: ranks per all-to-all group (speedllm.config.rules.ulysses_degree).
+        mode: parallel.cp_mode; ulysses: ranks per all-to-all group (speedllm.parallel.rules.ulysses_degree).
     """
     cp = ContextParallel(cp_mesh, mode, ulysses, model.ops)
     model.register_forward_pre_hook(cp.shard_inputs, with_kwargs=True)

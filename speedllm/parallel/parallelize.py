@@ -112,8 +112,8 @@ def _parallelize_part(part: nn.Module, dims: ParallelDims, parallel, train, para
         if dims.ep > 1:
             apply_ep(part, ep_mesh)
     if dims.cp > 1:
-        from speedllm.config.rules import ulysses_degree
         from speedllm.parallel.context import apply_cp
+        from speedllm.parallel.rules import ulysses_degree
 
         heads = part.cfg.num_attention_heads // dims.tp
         apply_cp(part, dims.mesh["cp"], parallel.cp_mode,
@@ -148,7 +148,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, parallel, train, param_dty
         quant: the quant section (schema QuantConfig): float8 training or QAT wrap the linear layers.
         adapt: applied to each part after TP/EP/CP and quantization, before recompute and FSDP2 (LoRA adapters,
             which follow the tensor-parallel placements and are sharded by FSDP2 with their layer).
-    Layout combinations that cannot be built were rejected by validation (speedllm.config.rules).
+    Layout combinations that cannot be built were rejected by validation (speedllm.parallel.rules).
     """
     if dims.pp == 1:
         _parallelize_part(model, dims, parallel, train, param_dtype, device, quant, adapt)
@@ -167,7 +167,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, parallel, train, param_dty
 def materialize(pm: ParallelModel, dims: ParallelDims, device: torch.device, seed: int) -> None:
     """Allocate this rank's parameters on its device and give them the single-process initial weights of `seed`
     (each rank draws only its own shards: speedllm.parallel.weights). Adapters get their own values afterwards
-    (speedllm.finetune.lora.init_adapters)."""
+    (speedllm.adapters.lora.init_adapters)."""
     from torch.distributed.fsdp import FSDPModule
 
     from speedllm.parallel.tensor import shard_embedding_grad

@@ -33,9 +33,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor, Shard
 
-from speedllm.config.rules import V_SCHEDULES
 from speedllm.hardware import DTYPES
-
+from speedllm.parallel.rules import V_SCHEDULES
 
 
 def layers_per_stage(num_layers: int, num_stages: int, explicit: Optional[List[int]]) -> List[List[int]]:
@@ -70,7 +69,7 @@ def stage_module(model: nn.Module, layer_ids: List[int], first: bool, last: bool
 def split_model(model: nn.Module, parallel, pp_rank: int) -> tuple:
     """(rank module, [(stage index, stage module)]) for this pipeline rank; `model` is on the meta device.
 
-    `parallel` is the layout (schema ParallelConfig), already validated (speedllm.config.rules).
+    `parallel` is the layout (schema ParallelConfig), already validated (speedllm.parallel.rules).
     """
     p = parallel
     num_stages = p.pp * p.vpp

@@ -14,6 +14,7 @@ import weakref
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
@@ -120,9 +121,10 @@ def measure_training_step(cfg, rt) -> dict:
     Returns the parameter elements held, the bytes of weights, gradients (as the update sees them) and
     AdamW states, and the peak bytes of live tensors during the second step.
     """
-    from speedllm.train.loop import autocast_for, build_model, grad_accum_steps, train_step
+    from speedllm.train.build import autocast_for, build_model, grad_accum_steps
     from speedllm.train.optimizer import build_optimizer
     from speedllm.train.schedule import build_scheduler
+    from speedllm.train.step import train_step
 
     pm = build_model(cfg, rt)
     optimizer = build_optimizer(pm.module, cfg.optim)
@@ -147,16 +149,15 @@ def measure_training_step(cfg, rt) -> dict:
             "optimizer_bytes": storage_bytes(states), "peak": tracker.peak}
 
 
-def _rank_main(rank: int, world: int, port: int, overrides: list, out: str) -> None:
+def _rank_main(rank: int, world: int, port: int, config: dict, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from speedllm.config import compose_config
     from speedllm.runtime import init_runtime
 
-    cfg = compose_config(*overrides)
+    cfg = OmegaConf.create(config)
     p = cfg.parallel
     p.dp = world // (p.tp * p.pp * p.cp)
     cfg.run_dir = out
@@ -165,12 +166,13 @@ def _rank_main(rank: int, world: int, port: int, overrides: list, out: str) -> N
     dist.destroy_process_group()
 
 
-def measure_layout(overrides, world: int, out_dir) -> list:
-    """measure_training_step on `world` spawned CPU ranks (gloo) of the config `overrides` compose."""
+def measure_layout(cfg, world: int, out_dir) -> list:
+    """measure_training_step on `world` spawned CPU ranks (gloo) of the composed config `cfg`."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_rank_main, args=(world, port, list(overrides), str(out_dir)), nprocs=world, join=True)
+    config = OmegaConf.to_container(cfg, resolve=True)  # the ranks need no Hydra and no resolvers
+    mp.spawn(_rank_main, args=(world, port, config, str(out_dir)), nprocs=world, join=True)
     return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]

@@ -24,11 +24,11 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from speedllm.config.rules import ulysses_degree
 from speedllm.hardware import DTYPES
 from speedllm.ops.loss import chunk_rows
 from speedllm.parallel.fsdp import expert_shard_dim
 from speedllm.parallel.pipeline import stages_of_rank
+from speedllm.parallel.rules import ulysses_degree
 from speedllm.planner.layout import Layout
 from speedllm.train.optimizer import fused_adamw
 
@@ -66,8 +66,13 @@ def _config_key(model_cfg) -> tuple:
 
 def style_dim(style, module: nn.Module, param_name: str) -> Optional[int]:
     """The dimension a torch ParallelStyle shards `module.<param_name>` on (None: replicated over tp)."""
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                                   RowwiseParallel, SequenceParallel)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     if style is None or isinstance(style, (SequenceParallel, PrepareModuleInput, PrepareModuleOutput)):
         return None
@@ -459,7 +464,7 @@ def inference_weight_bytes(model_cfg, quant, dtype: str, tp: int = 1) -> Tuple[f
 
     The projections quantization applies to (speedllm.quant.QUANTIZED) take bytes_per_weight of their scheme,
     on their 1/tp shard; the weight-only schemes keep the embedding and output projection in int8
-    (speedllm.quant.int8_tables), whole on every rank (speedllm.infer.load.load_quantized); norms, router and
+    (speedllm.quant.int8_tables), whole on every rank (speedllm.generation.load.load_quantized); norms, router and
     experts stay in the compute dtype.
     """
     from speedllm.quant import QUANTIZED, bytes_per_weight, int8_tables

@@ -1,7 +1,7 @@
 """Search the layouts of a model on a device count: every valid tp, pp, vpp, dp, ep, cp, micro batch and
 recompute policy is costed (memory of its busiest rank, step time) and ranked by estimated throughput.
 
-Structural rules are validation's own (speedllm.config.rules.layout_errors: heads % tp, stages, experts % ep,
+Structural rules are validation's own (speedllm.parallel.rules.layout_errors: heads % tp, stages, experts % ep,
 the combinations speedllm.parallel.parallelize builds), with the planner's uneven stage split spelled out as
 parallel.pp_layers; then batch divisibility and two rules of the planner's own: tensor parallel stays inside a
 node (it is on the critical path of every layer) and a pipeline gets at least pp micro-batches per step (interleaving needs a multiple of pp, as torch's
@@ -9,18 +9,26 @@ Interleaved1F1B and MindSpeed do).
 """
 
 from collections import Counter
-from functools import partial
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import product
 from typing import Dict, List, Optional
 
 from omegaconf import OmegaConf
 
-from speedllm.config.rules import divisors, layout_errors
 from speedllm.hardware import DTYPES
+from speedllm.parallel.rules import divisors, layout_errors
 from speedllm.planner.layout import Layout, stage_layers
-from speedllm.planner.memory import (GIB, Memory, adamw_state_numel, layer_activation_bytes, model_tensors,
-                                     rank_memory, rank_params, tp_facts)
+from speedllm.planner.memory import (
+    GIB,
+    Memory,
+    adamw_state_numel,
+    layer_activation_bytes,
+    model_tensors,
+    rank_memory,
+    rank_params,
+    tp_facts,
+)
 from speedllm.planner.timing import StepTime, step_time
 from speedllm.train.metrics import flops_per_token
 from speedllm.train.optimizer import state_numel
@@ -127,7 +135,7 @@ class Planner:
 
     def invalid_reason(self, layout: Layout) -> Optional[str]:
         """Why a layout cannot run (None: it can), in the words of the config key to change: the layout rules
-        validation applies (speedllm.config.rules), then what makes a training step impossible on paper."""
+        validation applies (speedllm.parallel.rules), then what makes a training step impossible on paper."""
         m, p, hw = self.p.model, self.p, self.p.hardware
         errors = layout_errors(m, tp=layout.tp, pp=layout.pp, vpp=layout.vpp, ep=layout.ep, cp=layout.cp,
                                dp=layout.dp, schedule=layout.schedule, pp_layers=self.split(layout),

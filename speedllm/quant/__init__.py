@@ -6,14 +6,14 @@ serves both). Norms and the MoE router stay in full precision; MoE experts too (
 tensors used by a grouped matmul, which neither torchao's `quantize_` nor torch's packed matmuls take).
 
     inference (task=generate/chat/evaluate/convert): quantize_for_inference() on a loaded model, or
-    speedllm.infer.load.load_quantized() while loading (CPU, weight-only schemes)
+    speedllm.generation.load.load_quantized() while loading (CPU, weight-only schemes)
         int8_wo   CPU: speedllm.quant.int8 (torchao's int8 numbers, our C kernel); GPU: torchao Int8WeightOnlyConfig
         int4_wo   CPU: speedllm.quant.int4 on torch's packed int4 matmul; GPU: torchao Int4WeightOnlyConfig
         int8_dyn  torchao Int8DynamicActivationInt8WeightConfig
         qat_int4  = int4_wo (the scheme it was trained against)
         float8    torchao Float8DynamicActivationFloat8WeightConfig (float8 hardware only)
     under tensor parallelism each rank quantizes its own shards, with tp=1's numbers for the weight-only schemes
-    (speedllm.parallel.tensor.quantize_tp_linear); the int8 tables are whole on every rank
+    (the loader passes speedllm.parallel.tensor.quantize_tp_linear in); the int8 tables are whole on every rank
     training (task=pretrain/sft): prepare_for_training() before FSDP, on the meta-device model
         float8    torchao convert_to_float8_training (tensorwise with FSDP2 float8 all-gather, or rowwise)
         qat_int4  torchao QAT: weights fake-quantized with int4_wo's exact scheme
@@ -22,11 +22,13 @@ tensors used by a grouped matmul, which neither torchao's `quantize_` nor torch'
 import torch
 from torch import nn
 
+from speedllm.models.config import PROJECTIONS
+
 QUANT_NAMES = ("none", "int8_wo", "int4_wo", "int8_dyn", "float8", "qat_int4")
 TRAINING = ("none", "float8", "qat_int4")
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
 WEIGHT_ONLY = ("int8_wo", "int4_wo")  # inference schemes with our own CPU layers (speedllm.quant.int8 / int4)
-QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QUANTIZED = PROJECTIONS
 
 
 def is_quantized(module: nn.Module, fqn: str) -> bool:
@@ -101,26 +103,29 @@ def quantize_embeddings(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def quantize_for_inference(model: nn.Module, quant) -> nn.Module:
+def quantize_for_inference(model: nn.Module, quant, tp_linear=None) -> nn.Module:
     """Quantize the loaded full-precision model in place for quant.name (see the module docstring); returns it.
 
     Args:
         quant: the `quant` config section (name, group_size).
+        tp_linear: for a tensor-parallel model, how a sharded linear is quantized (see quantize_linears).
     """
     scheme = inference_scheme(quant.name)
     if scheme == "none":
         return model
     if own_cpu_layers(scheme, next(model.parameters()).device):
         quantize_embeddings(model)
-    quantize_linears(model, quant)
+    quantize_linears(model, quant, tp_linear)
     return model
 
 
 @torch.no_grad()
-def quantize_linears(module: nn.Module, quant) -> None:
-    """Quantize the linear layers of `module` (a model, or one layer of it) that quantization applies to; under
-    tensor parallelism each rank quantizes its own shards (speedllm.parallel.tensor.quantize_tp_linear)."""
-    from torch.distributed.tensor import DTensor
+def quantize_linears(module: nn.Module, quant, tp_linear=None) -> None:
+    """Quantize the linear layers of `module` (a model, or one layer of it) that quantization applies to.
+
+    Under tensor parallelism each rank quantizes its own shards: `tp_linear(linear, quantize)` (the loader passes
+    speedllm.parallel.tensor.quantize_tp_linear) makes the layer of a DTensor-sharded linear from `quantize`.
+    """
 
     scheme = inference_scheme(quant.name)
     own_kernels = own_cpu_layers(scheme, next(module.parameters()).device)
@@ -138,14 +143,7 @@ def quantize_linears(module: nn.Module, quant) -> None:
         quantize_(linear, torchao_inference_config(scheme, quant))  # in place (int8_dyn: row scales per shard)
         return linear
 
-    def make(linear: nn.Linear) -> nn.Module:
-        if isinstance(linear.weight, DTensor):
-            from speedllm.parallel.tensor import quantize_tp_linear
-
-            return quantize_tp_linear(linear, quantize)
-        return quantize(linear)
-
-    _swap_linears(module, make)
+    _swap_linears(module, quantize if tp_linear is None else lambda linear: tp_linear(linear, quantize))
 
 
 def torchao_inference_config(scheme: str, quant):

@@ -31,7 +31,7 @@ def sample_prompts(cfg: DictConfig, tokenizer) -> List[str]:
 def print_samples(model: nn.Module, cfg: DictConfig, is_main: bool) -> None:
     """Generate on every rank (a sharded model needs them all), print on the main one."""
     from speedllm.data.tokenizer import load_tokenizer
-    from speedllm.infer.generate import sample_texts
+    from speedllm.generation.complete import sample_texts
 
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.trust_remote_code)
     prompts = sample_prompts(cfg, tokenizer)[: cfg.generate.num_samples]

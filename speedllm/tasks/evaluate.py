@@ -1,5 +1,5 @@
 """task=evaluate: loss, perplexity and tokens/s of any checkpoint over a dataset split; with evaluate.tasks,
-lm-eval's task suites instead (speedllm.infer.harness).
+lm-eval's task suites instead (speedllm.generation.harness).
 
     python launch.py task=evaluate checkpoint.load=outputs/<run>/checkpoints [evaluate.split=test evaluate.steps=50]
     python launch.py task=evaluate checkpoint.load=outputs/<run>/checkpoints evaluate.tasks=[hellaswag]
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from speedllm.errors import UserError
-from speedllm.infer.load import load_model
+from speedllm.generation.load import load_model
 from speedllm.ops import IGNORE_INDEX
 from speedllm.runtime import Runtime
 
@@ -34,7 +34,7 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
     if ev.tasks:
         if importlib.util.find_spec("lm_eval") is None:
             raise UserError("evaluate.tasks runs lm-eval: pip install -e '.[eval]'")
-        from speedllm.infer import harness
+        from speedllm.generation import harness
 
         return harness.run(cfg, rt)
     model = load_model(cfg, rt)

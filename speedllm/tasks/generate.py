@@ -8,24 +8,22 @@ Prompts run in batches of generate.batch_size (left-padded). Data-parallel ranks
 tensor-parallel ranks share each batch. A single prompt streams its text as it is generated.
 """
 
-import copy
 import json
 import sys
 import time
 from pathlib import Path
 from typing import List
 
-import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
-from torch import nn
 
+from speedllm.data.tokenizer import pad_id_of, stop_ids_of, tokenizer_for
 from speedllm.errors import UserError
+from speedllm.generation.complete import complete, encode
+from speedllm.generation.engine import Detokenizer
+from speedllm.generation.load import load_model
 from speedllm.hardware import DTYPES
 from speedllm.outputs import write_text_atomic
-from speedllm.infer.engine import StopStrings, TextStream, generate_ids
-from speedllm.infer.load import load_model, load_tokenizer, pad_id_of, stop_ids_of
-from speedllm.infer.sampling import Sampling
 from speedllm.runtime import Runtime
 
 
@@ -69,54 +67,6 @@ def read_prompts(gen: DictConfig) -> List[str]:
     return prompts
 
 
-def encode(tokenizer, prompt: str, gen: DictConfig) -> List[int]:
-    """Token ids of a prompt, wrapped in the chat template as one user turn when generate.chat_template=true."""
-    if gen.chat_template:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                               add_generation_prompt=True, enable_thinking=gen.enable_thinking)
-    ids = tokenizer.encode(prompt, add_special_tokens=False)
-    if not ids:
-        raise UserError("generate: an empty prompt; give every prompt some text")
-    return ids
-
-
-def complete(model: nn.Module, tokenizer, prompts: List[str], gen: DictConfig, dtype: torch.dtype, tp: int = 1,
-             stream=None) -> List[dict]:
-    """Result rows {prompt, completion, completion_ids} for `prompts`, in batches of generate.batch_size."""
-    stop_ids, pad_id = stop_ids_of(tokenizer), pad_id_of(tokenizer)
-    stops = StopStrings(tokenizer, gen.stop) if gen.stop else None
-    rows = []
-    for start in range(0, len(prompts), gen.batch_size):
-        batch = prompts[start:start + gen.batch_size]
-        ids = generate_ids(model, [encode(tokenizer, p, gen) for p in batch], gen.max_new_tokens,
-                           Sampling.from_cfg(gen), stop_ids, pad_id, dtype, seed=gen.seed + start, tp=tp,
-                           stop_strings=stops, on_token=stream)
-        for prompt, completion_ids in zip(batch, ids):
-            text_ids = [t for t in completion_ids if t not in stop_ids]
-            text = tokenizer.decode(text_ids, skip_special_tokens=True)
-            rows.append({"prompt": prompt, "completion": stops.cut(text) if stops else text,
-                         "completion_ids": completion_ids})
-    return rows
-
-
-def sample_texts(model: nn.Module, tokenizer, prompts: List[str], cfg: DictConfig) -> List[str]:
-    """Greedy completions (up to generate.max_new_tokens tokens) of `prompts`, e.g. at the end of a training run.
-
-    Every rank of a sharded model must call this with the same prompts (its forwards are collective).
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    was_training = model.training
-    model.eval()
-    # FSDP computes in its mixed-precision dtype; a plain model in the dtype of its weights.
-    dtype = DTYPES[cfg.hardware.dtype] if isinstance(model, FSDPModule) else next(model.parameters()).dtype
-    gen = copy.copy(cfg.generate)
-    gen.temperature, gen.stop, gen.chat_template = 0.0, [], False
-    rows = complete(model, tokenizer, prompts, gen, dtype, tp=cfg.parallel.tp)
-    model.train(was_training)
-    return [row["completion"] for row in rows]
-
-
 def gather_rows(rows: List[dict], indices: List[int]) -> List[dict]:
     """Every rank's (index, row) pairs, in prompt order (identical on all ranks)."""
     if not dist.is_initialized():
@@ -131,7 +81,7 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
     gen = cfg.generate
     prompts = read_prompts(gen)
     model = load_model(cfg, rt)
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = tokenizer_for(cfg)
     longest = max(len(encode(tokenizer, p, gen)) for p in prompts)
     if longest + gen.max_new_tokens > cfg.model.max_position_embeddings and rt.is_main:
         print(f"warning: a prompt of {longest} tokens + generate.max_new_tokens={gen.max_new_tokens} goes past the "
@@ -143,8 +93,8 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
     stream = None
     if streaming:
         print(prompts[0], end="", flush=True)
-        stream = TextStream(tokenizer, lambda text: print(text, end="", flush=True),
-                            stop_ids_of(tokenizer) + [pad_id_of(tokenizer)])
+        detok = Detokenizer(tokenizer, stop_ids_of(tokenizer) + [pad_id_of(tokenizer)], [])
+        stream = lambda token: print(detok.add(token), end="", flush=True)  # noqa: E731
     start = time.perf_counter()
     rows = complete(model, tokenizer, [prompts[i] for i in indices], gen, DTYPES[cfg.hardware.dtype],
                     tp=cfg.parallel.tp, stream=stream)

@@ -6,28 +6,18 @@ The device count is launcher.nnodes x launcher.nproc_per_node (nproc_per_node=0:
 node). Nothing starts on any device: the planner builds the model on the meta device only.
 """
 
-import os
 import time
 
 from omegaconf import DictConfig
 
+from speedllm.planner import device_count
 from speedllm.planner.layout import layout_from_config
 from speedllm.planner.memory import GIB
 from speedllm.planner.search import Estimate, Planner, SearchResult, problem_from_config
-from speedllm.runtime import under_torchrun
 
 COMPONENTS = ("params", "grads", "grad_accum", "optimizer", "activations", "buffers")
 HEADER = (f"{'#':>3}  {'layout':<34} {'GiB/dev':>7}  {'params':>6} {'grads':>6} {'accum':>6} {'optim':>6} "
           f"{'activ':>6} {'buffers':>7}  {'step s':>8} {'tokens/s':>11} {'MFU':>6} {'bubble':>6}")
-
-
-def device_count(cfg: DictConfig) -> int:
-    """Devices the plan is for: torchrun's world, else nnodes x nproc_per_node (x the profile's devices per
-    node when nproc_per_node is 0)."""
-    if under_torchrun():
-        return int(os.environ["WORLD_SIZE"])
-    per_node = cfg.launcher.nproc_per_node or cfg.hardware.devices_per_node
-    return cfg.launcher.nnodes * per_node
 
 
 def row(rank: str, est: Estimate) -> str:
@@ -110,7 +100,7 @@ def run(cfg: DictConfig, rt) -> None:
               f"({quantized / plain:.2f}x of {plain / GIB:.2f} GiB in {cfg.hardware.dtype})"
               + (f" per rank of parallel.tp={tp}" if tp > 1 else ""))
     if cfg.finetune.name != "full":
-        from speedllm.finetune.base import base_bytes
+        from speedllm.checkpoint.adapters import base_bytes
         from speedllm.planner.memory import GIB
 
         facts = base_bytes(cfg.model, cfg.finetune)

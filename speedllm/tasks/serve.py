@@ -6,7 +6,7 @@
 /v1/chat/completions (the tokenizer's chat template; Qwen3's thinking switch as vLLM's
 `chat_template_kwargs: {"enable_thinking": …}`), /v1/completions, /v1/models, /health; `stream: true` sends
 server-sent events. Bad requests get OpenAI-shaped errors with status 400, a full queue 503. Under tensor
-parallelism rank 0 serves HTTP and schedules; every step goes to the other ranks (speedllm.infer.batching).
+parallelism rank 0 serves HTTP and schedules; every step goes to the other ranks (speedllm.generation.batching).
 """
 
 import asyncio
@@ -22,11 +22,12 @@ from typing import AsyncIterator, List, Optional
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from speedllm.data.tokenizer import stop_ids_of, tokenizer_for
 from speedllm.errors import UserError
-from speedllm.infer.batching import Batcher, QueueFull, Request, new_slot_cache, serve_steps
-from speedllm.infer.engine import StopStrings
-from speedllm.infer.load import DTYPES, load_model, load_tokenizer, stop_ids_of
-from speedllm.infer.sampling import Sampling
+from speedllm.generation.batching import Batcher, QueueFull, Request, new_slot_cache, serve_steps
+from speedllm.generation.engine import Detokenizer
+from speedllm.generation.load import DTYPES, load_model
+from speedllm.generation.sampling import Sampling
 from speedllm.runtime import Runtime
 
 MAX_STOPS = 4  # OpenAI's limit on stop strings
@@ -44,46 +45,6 @@ class ApiError(Exception):
         if self.status == 401:
             kind = "authentication_error"
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-
-
-class Detokenizer:
-    """A growing completion's text, released in final pieces: never a partial UTF-8 character, never the
-    start of what may become a stop string; the text ends before the first stop string."""
-
-    def __init__(self, tokenizer, stop_ids, stops: List[str]):
-        self.tokenizer, self.skip = tokenizer, set(stop_ids)
-        self.stops = StopStrings(tokenizer, stops) if stops else None
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.ids: List[int] = []
-        self.sent = 0
-
-    def text(self) -> str:
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        return self.stops.cut(text) if self.stops else text
-
-    def add(self, token: int) -> str:
-        """The new final text after `token`."""
-        if token in self.skip:
-            return ""
-        self.ids.append(token)
-        text = self.text()
-        end = len(text) - self.hold
-        while end > self.sent and text[end - 1] == "\ufffd":
-            end -= 1
-        piece = text[self.sent:end] if end > self.sent else ""
-        self.sent += len(piece)
-        return piece
-
-    def extend(self, ids: List[int]) -> "Detokenizer":
-        """Take tokens without releasing text (for a response sent whole)."""
-        self.ids += [t for t in ids if t not in self.skip]
-        return self
-
-    def finish(self) -> str:
-        """What is left once the completion has ended."""
-        piece = self.text()[self.sent:]
-        self.sent += len(piece)
-        return piece
 
 
 def _number(body: dict, key: str, default, kind, ok, rule: str):
@@ -272,7 +233,8 @@ class Server:
 
 def build_app(server: Server):
     """The FastAPI application of `server`."""
-    from fastapi import FastAPI, Request as HttpRequest
+    from fastapi import FastAPI
+    from fastapi import Request as HttpRequest
     from fastapi.responses import JSONResponse, StreamingResponse
 
     app = FastAPI(title="SpeedLLM", docs_url=None, redoc_url=None)
@@ -347,7 +309,7 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
         with handle_signals(lambda: None):
             serve_steps(model, new_slot_cache(model.cfg, s.max_batch, max_len, dtype, rt.device, tp))
         return
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = tokenizer_for(cfg)
     batcher = Batcher(model, tokenizer, stop_ids_of(tokenizer), s.max_batch, max_len, s.max_queue, dtype, tp,
                       broadcast=dist.is_initialized())
     thread = threading.Thread(target=batcher.run, name="batcher", daemon=True)

@@ -8,49 +8,13 @@ import functools
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig
 from torch import nn
 
-from speedllm.errors import UserError
-from speedllm.finetune.lora import adapter_fn
+from speedllm.adapters.lora import adapter_fn
 from speedllm.hardware import DTYPES
 from speedllm.quant import own_cpu_layers, quantize_for_inference, quantize_linears
 from speedllm.runtime import Runtime
-
-
-def adopt_checkpoint_config(cfg: DictConfig) -> bool:
-    """With checkpoint.load, the architecture and tokenizer the checkpoint was trained with replace cfg's;
-    returns whether they did.
-
-    The launcher calls this after validating and before freezing, so <run_dir>/config.yaml is the model that runs.
-    (An HF directory needs nothing here: model=hf reads its config.json, and validation has already
-    checked any other model= against it.)
-    """
-    from speedllm.checkpoint.dcp import read_saved_config, resolve_load
-
-    ck = cfg.checkpoint
-    if ck.load_hf is not None:
-        return False
-    if ck.load is None:
-        raise UserError(f"task={cfg.task.name} needs weights: checkpoint.load=<checkpoint dir> (from a training "
-                        "run) or checkpoint.load_hf=<Hugging Face model dir> (with model=hf)")
-    path = resolve_load(ck.load, ck.dir)
-    if path is None:
-        raise UserError(f"checkpoint.load={ck.load}: no checkpoint there yet; point it at a step_* directory or a "
-                        "checkpoints directory")
-    frozen = path / "config.yaml"
-    with open_dict(cfg):
-        ck.load = str(path)
-        if not frozen.is_file():
-            return False
-        saved = read_saved_config(path)
-        if saved.model != cfg.model:
-            print(f"model and tokenizer from {frozen}: {saved.model.name}")
-        cfg.model = OmegaConf.merge(cfg.model, saved.model)
-        cfg.data.tokenizer = saved.data.tokenizer
-        if OmegaConf.select(saved, "finetune.name", default="full") != "full":  # an adapter run: its adapters
-            cfg.finetune = OmegaConf.merge(cfg.finetune, saved.finetune)
-    return True
 
 
 def load_weights(model: nn.Module, cfg: DictConfig) -> None:
@@ -74,7 +38,7 @@ def load_model(cfg: DictConfig, rt: Runtime) -> nn.Module:
     """The inference model of this rank: eval mode, weights loaded, in hardware.dtype, quantized for quant=."""
     from speedllm.models.qwen3 import Qwen3
     from speedllm.ops.loss import chunked_cross_entropy
-    from speedllm.parallel.tensor import apply_tp, vocab_parallel_output_loss
+    from speedllm.parallel.tensor import apply_tp, quantize_tp_linear, vocab_parallel_output_loss
 
     adapt = adapter_fn(cfg.finetune)
     tables = own_cpu_layers(cfg.quant.name, rt.device)
@@ -88,10 +52,11 @@ def load_model(cfg: DictConfig, rt: Runtime) -> nn.Module:
     if cfg.parallel.tp > 1:
         # No sequence parallel: a decode step has one token per row, nothing to split along the sequence.
         apply_tp(model, rt.mesh["tp"], sequence_parallel=False)
+    tp_linear = quantize_tp_linear if cfg.parallel.tp > 1 else None  # each rank quantizes its own shards
     if adapt is not None:
         adapt(model)
     elif tables:
-        load_quantized(model, cfg, rt.device)
+        load_quantized(model, cfg, rt.device, tp_linear)
         return model.eval()
     model.to_empty(device=rt.device)
     model.tie_embeddings()  # to_empty() unties shared weights
@@ -99,11 +64,11 @@ def load_model(cfg: DictConfig, rt: Runtime) -> nn.Module:
         load_weights(model, cfg)
     else:
         load_adapted_weights(model, cfg)
-    return quantize_for_inference(model.eval(), cfg.quant)
+    return quantize_for_inference(model.eval(), cfg.quant, tp_linear)
 
 
 @torch.no_grad()
-def load_quantized(model: nn.Module, cfg: DictConfig, device: torch.device) -> None:
+def load_quantized(model: nn.Module, cfg: DictConfig, device: torch.device, tp_linear=None) -> None:
     """Fill the meta-device model one piece at a time, quantizing each piece as it is read: the embedding (and
     an untied output projection) in blocks of rows, then each layer, then the final norm. The full-precision
     model never exists whole: the peak is the quantized model plus one layer (plus, from a DCP checkpoint,
@@ -120,7 +85,7 @@ def load_quantized(model: nn.Module, cfg: DictConfig, device: torch.device) -> N
     for key, layer in model.layers.items():
         layer.to_empty(device=device)
         source.fill(layer, f"layers.{key}.")
-        quantize_linears(layer, cfg.quant)
+        quantize_linears(layer, cfg.quant, tp_linear)
         trim_heap()
     model.norm.to_empty(device=device)
     source.fill(model.norm, "norm.")
@@ -165,7 +130,7 @@ class WeightSource:
             return dcp_load({"model": tensors}, self.dcp)
         from torch.distributed.tensor import DTensor
 
-        from speedllm.checkpoint.hf import local_slices, hf_reader
+        from speedllm.checkpoint.hf import hf_reader, local_slices
 
         with hf_reader(self.hf, self.model_cfg, self.files) as read:  # closed after each piece: pages unmapped
             for name, target in tensors.items():
@@ -200,9 +165,8 @@ def load_adapted_weights(model: nn.Module, cfg) -> None:
     finetune.adapter (a PEFT directory) or of checkpoint.load naming an adapter run's checkpoint."""
     from pathlib import Path
 
-    from speedllm.finetune.base import load_base
-    from speedllm.finetune.export import read_adapters
-    from speedllm.finetune.lora import copy_full_, init_adapters
+    from speedllm.adapters.lora import copy_full_, init_adapters
+    from speedllm.checkpoint.adapters import load_base, read_adapters
 
     init_adapters([model], cfg.seed)
     adapters = load_base([model], cfg, Path(cfg.checkpoint.load) if cfg.checkpoint.load is not None else None)
@@ -211,28 +175,3 @@ def load_adapted_weights(model: nn.Module, cfg) -> None:
             for name, tensor in read_adapters(adapters).items():
                 target = model.get_parameter(name)
                 copy_full_(target, tensor.to(target.dtype))
-
-
-def load_tokenizer(cfg: DictConfig):
-    """The tokenizer of data.tokenizer (for a checkpoint: the one it was trained with)."""
-    from speedllm.data.tokenizer import load_tokenizer as load
-
-    return load(str(cfg.data.tokenizer), cfg.data.trust_remote_code)
-
-
-def stop_ids_of(tokenizer) -> list:
-    """Token ids that end a completion: eos, Qwen's end of turn and end of text, when the tokenizer has them."""
-    ids = {tokenizer.eos_token_id}
-    for token in ("<|im_end|>", "<|endoftext|>"):
-        tid = tokenizer.convert_tokens_to_ids(token)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
-            ids.add(tid)
-    return sorted(i for i in ids if i is not None)
-
-
-def pad_id_of(tokenizer) -> int:
-    """The id that fills left padding and finished rows (never attended to, never returned)."""
-    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if tid is not None:
-            return tid
-    return 0

@@ -23,15 +23,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from speedllm.adapters.lora import adapters_disabled
 from speedllm.checkpoint.dcp import Checkpointer
 from speedllm.checkpoint.hf import load_hf_weights
-from speedllm.finetune.lora import adapters_disabled
 from speedllm.parallel import clip_grad_norm
 from speedllm.runtime import Runtime, seed_everything
-from speedllm.train.loop import autocast_for, build_model, grad_accum_steps, restore, rng_state, to_device
+from speedllm.train.build import build_model, build_training, grad_accum_steps, to_device
 from speedllm.train.metrics import MetricsLogger
-from speedllm.train.optimizer import build_optimizer
-from speedllm.train.schedule import build_scheduler
+from speedllm.train.state import extra_state
 
 
 def reply_logps(model: nn.Module, tokens_RS: torch.Tensor, labels_RS: torch.Tensor) -> tuple:
@@ -93,8 +92,6 @@ def dpo_step(pm, reference, optimizer, scheduler, micro_batches: List[dict], cfg
 
 def run(cfg, rt: Runtime) -> None:
     """task=dpo: train the policy on data.format=pairs; metrics, checkpoints (as task=sft) go to the run dir."""
-    from speedllm.data.loader import build_loader
-
     t, ck = cfg.train, cfg.checkpoint
     dp_rank, dp_size, group = rt.dims.coords("dp")
     accum = grad_accum_steps(t, dp_size)
@@ -106,12 +103,7 @@ def run(cfg, rt: Runtime) -> None:
             load_hf_weights(reference, ck.load_hf)
         reference.requires_grad_(False)
     seed_everything(cfg.seed)
-    pm = build_model(cfg, rt)
-    optimizer = build_optimizer(pm.module, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, t.steps)
-    loader = build_loader(cfg, "train", dp_rank, dp_size, t.micro_batch_size, t.seq_len, cfg.seed)
-    autocast = autocast_for(cfg, pm, rt.device)
-    step, _ = restore(cfg, rt, pm, optimizer, scheduler, loader)
+    pm, optimizer, scheduler, loader, autocast, step, _ = build_training(cfg, rt)
     logger = MetricsLogger(cfg.run_dir, t.steps, step, rt.is_main, cfg.logging.tensorboard, cfg.logging.progress_bar)
     stop_at = min(t.steps, step + t.stop_after) if t.stop_after > 0 else t.steps
     checkpointer = Checkpointer(ck.dir, ck.keep, ck.async_save)
@@ -127,9 +119,7 @@ def run(cfg, rt: Runtime) -> None:
                 pairs_per_s = t.global_batch_size / (time.perf_counter() - start)
                 logger.log(step, {**metrics, "lr": lr, "pairs_per_s": pairs_per_s})
             if (ck.every > 0 and step % ck.every == 0) or (step == stop_at and ck.save_final):
-                extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
-                         "rng": rng_state(rt.device)}
-                checkpointer.save(step, pm.module, optimizer, extra, cfg)
+                checkpointer.save(step, pm.module, optimizer, extra_state(step, scheduler, loader, rt.device), cfg)
         checkpointer.close()
     finally:
         logger.close()

@@ -13,7 +13,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 from torch import nn
 
-from speedllm.infer.sampling import Sampling, next_token
+from speedllm.generation.sampling import Sampling, next_token
 from speedllm.models.kv_cache import KVCache
 
 
@@ -156,20 +156,42 @@ def generate_ids(
     return results
 
 
-class TextStream:
-    """Prints a growing completion as text, holding back a trailing partial UTF-8 character."""
+class Detokenizer:
+    """A growing completion's text, released in final pieces: never a partial UTF-8 character, never the
+    start of what may become a stop string; the text ends before the first stop string. Streams the text of
+    task=generate / chat to the console and of task=serve to its clients."""
 
-    def __init__(self, tokenizer, write: Callable[[str], None], skip_ids: Sequence[int] = ()):
-        self.tokenizer, self.write, self.skip = tokenizer, write, set(skip_ids)
+    def __init__(self, tokenizer, stop_ids, stops: List[str]):
+        self.tokenizer, self.skip = tokenizer, set(stop_ids)
+        self.stops = StopStrings(tokenizer, stops) if stops else None
+        self.hold = max((len(s) for s in stops), default=1) - 1
         self.ids: List[int] = []
-        self.printed = 0
+        self.sent = 0
 
-    def __call__(self, token_id: int) -> None:
-        if token_id in self.skip:
-            return
-        self.ids.append(token_id)
+    def text(self) -> str:
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return
-        self.write(text[self.printed:])
-        self.printed = len(text)
+        return self.stops.cut(text) if self.stops else text
+
+    def add(self, token: int) -> str:
+        """The new final text after `token`."""
+        if token in self.skip:
+            return ""
+        self.ids.append(token)
+        text = self.text()
+        end = len(text) - self.hold
+        while end > self.sent and text[end - 1] == "\ufffd":
+            end -= 1
+        piece = text[self.sent:end] if end > self.sent else ""
+        self.sent += len(piece)
+        return piece
+
+    def extend(self, ids: List[int]) -> "Detokenizer":
+        """Take tokens without releasing text (for a response sent whole)."""
+        self.ids += [t for t in ids if t not in self.skip]
+        return self
+
+    def finish(self) -> str:
+        """What is left once the completion has ended."""
+        piece = self.text()[self.sent:]
+        self.sent += len(piece)
+        return piece

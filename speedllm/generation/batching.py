@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from speedllm.infer.engine import StopStrings, last_position_only
-from speedllm.infer.sampling import Sampling, next_token
+from speedllm.generation.engine import StopStrings, last_position_only
+from speedllm.generation.sampling import Sampling, next_token
 from speedllm.models.kv_cache import SlotCache
 
 

@@ -20,11 +20,12 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from omegaconf import DictConfig
 
+from speedllm.data.tokenizer import tokenizer_for
 from speedllm.errors import UserError
-from speedllm.infer.batching import Batcher, Request
-from speedllm.infer.engine import StopStrings, keep_positions
-from speedllm.infer.load import DTYPES, load_model, load_tokenizer
-from speedllm.infer.sampling import Sampling
+from speedllm.generation.batching import Batcher, Request
+from speedllm.generation.engine import StopStrings, keep_positions
+from speedllm.generation.load import DTYPES, load_model
+from speedllm.generation.sampling import Sampling
 from speedllm.runtime import Runtime
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's HF backend default
@@ -146,7 +147,7 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
         raise UserError(f"evaluate.tasks: lm-eval knows no task {', '.join(unknown)}; check the names (lm-eval "
                         "--tasks list) or add their YAMLs with evaluate.include_path=<dir>")
     model = load_model(cfg, rt)
-    lm = SpeedLM(model, load_tokenizer(cfg), cfg.model.max_position_embeddings, ev.batch_size,
+    lm = SpeedLM(model, tokenizer_for(cfg), cfg.model.max_position_embeddings, ev.batch_size,
                  DTYPES[cfg.hardware.dtype], cfg.parallel.tp, cfg.seed)
     out = simple_evaluate(model=lm, tasks=list(ev.tasks), num_fewshot=ev.num_fewshot, limit=ev.limit,
                           task_manager=manager, log_samples=False, random_seed=cfg.seed,

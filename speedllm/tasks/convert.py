@@ -20,13 +20,26 @@ import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
 
-from speedllm.checkpoint.dcp import (LATEST, _quiet_dcp, dcp_load, read_metadata, read_saved_config, resolve_load,
-                                     step_dir_name)
-from speedllm.checkpoint.hf import (check_hf_files, copy_tokenizer, has_tokenizer, hf_model_fields, read_hf_config,
-                                    weight_files, write_hf_dir)
+from speedllm.checkpoint.adapters import export_merged, export_peft, holds_adapters
+from speedllm.checkpoint.dcp import (
+    LATEST,
+    _quiet_dcp,
+    dcp_load,
+    read_metadata,
+    read_saved_config,
+    resolve_load,
+    step_dir_name,
+)
+from speedllm.checkpoint.hf import (
+    check_hf_files,
+    copy_tokenizer,
+    has_tokenizer,
+    hf_model_fields,
+    read_hf_config,
+    weight_files,
+    write_hf_dir,
+)
 from speedllm.errors import UserError
-from speedllm.finetune.base import holds_adapters
-from speedllm.finetune.export import export_merged, export_peft
 from speedllm.hardware import DTYPES
 from speedllm.models.hf_adapter import from_hf_state_dict
 from speedllm.outputs import make_scratch_dir, write_text_atomic
@@ -48,7 +61,7 @@ def hf_to_dcp(path: str, out: str, cfg: DictConfig) -> Path:
     from safetensors import safe_open
     from tqdm import tqdm
 
-    from speedllm.config.schema import ModelConfig
+    from speedllm.models.config import ModelConfig
     from speedllm.paths import ASSETS
 
     out_root = Path(out)
@@ -134,7 +147,7 @@ def run(cfg: DictConfig, rt) -> None:
     if cfg.convert.to == "dcp":
         written = hf_to_dcp(cfg.checkpoint.load_hf, cfg.convert.out, cfg)
     elif cfg.quant.name != "none":
-        from speedllm.quant.hf import check_exportable, quantize_hf_dir
+        from speedllm.checkpoint.quantized import check_exportable, quantize_hf_dir
 
         check_exportable(cfg.quant.name)
         out = Path(cfg.convert.out)

@@ -12,11 +12,12 @@ from typing import List, Optional
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from speedllm.data.tokenizer import pad_id_of, stop_ids_of, tokenizer_for
 from speedllm.errors import UserError
+from speedllm.generation.engine import Detokenizer, generate_ids
+from speedllm.generation.load import load_model
+from speedllm.generation.sampling import Sampling
 from speedllm.hardware import DTYPES
-from speedllm.infer.engine import TextStream, generate_ids
-from speedllm.infer.load import load_model, load_tokenizer, pad_id_of, stop_ids_of
-from speedllm.infer.sampling import Sampling
 from speedllm.runtime import Runtime
 
 PROMPT = "you> "
@@ -53,7 +54,7 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
     """task=chat: read a line, answer it with the whole conversation as context, until /exit."""
     gen = cfg.generate
     model = load_model(cfg, rt)
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = tokenizer_for(cfg)
     if not tokenizer.chat_template:
         raise UserError(f"data.tokenizer={cfg.data.tokenizer} has no chat template; task=chat needs a tokenizer "
                         "with one (e.g. a Qwen3 tokenizer directory)")
@@ -86,7 +87,8 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
         stream = None
         if rt.is_main:
             print("assistant> ", end="", flush=True)
-            stream = TextStream(tokenizer, lambda text: print(text, end="", flush=True), stop_ids + [pad_id])
+            detok = Detokenizer(tokenizer, stop_ids + [pad_id], [])
+            stream = lambda token: print(detok.add(token), end="", flush=True)  # noqa: E731
         (reply_ids,) = generate_ids(model, [ids], gen.max_new_tokens, Sampling.from_cfg(gen), stop_ids, pad_id,
                                     DTYPES[cfg.hardware.dtype], seed=gen.seed + turn, tp=cfg.parallel.tp,
                                     on_token=stream)

@@ -14,8 +14,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from speedllm.adapters.lora import copy_full_, is_adapter, unwrapped
 from speedllm.errors import UserError
-from speedllm.finetune.lora import copy_full_, is_adapter, unwrapped
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"

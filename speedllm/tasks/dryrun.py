@@ -6,7 +6,7 @@
 For each simulated rank (dryrun.ranks; by default the first and the last rank of the first and of the last
 pipeline stage, which hold the first and the last experts) this process joins torch's fake process group as
 that rank of the launcher's world (collectives do nothing), builds the device mesh, the model on the meta
-device and parallelizes it exactly as training does (speedllm.train.loop.meta_model: stage split, TP plans,
+device and parallelizes it exactly as training does (speedllm.train.build.meta_model: stage split, TP plans,
 expert placement, FSDP2), then the optimizer over it. Nothing is allocated.
 
 Per rank it prints the mesh coordinates, the pipeline stages, decoder layers and experts the rank holds, and
@@ -23,7 +23,7 @@ from typing import List, Optional, Tuple
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from speedllm.finetune.lora import adapter_fn
+from speedllm.adapters.lora import adapter_fn
 from speedllm.parallel.mesh import AXES
 from speedllm.planner.layout import layout_from_config, stage_layers
 from speedllm.planner.memory import GIB, MASTER_BYTES, model_tensors, rank_params
@@ -68,7 +68,7 @@ def planned_bytes(cfg, pp_rank: int) -> Tuple[int, int, int]:
 
 def build_rank(cfg, rank: int, world: int) -> RankReport:
     """Rank `rank` of the `world`-rank job, built on the fake process group with the model on the meta device."""
-    from speedllm.train.loop import meta_model
+    from speedllm.train.build import meta_model
 
     # kernels do not change what a rank holds, and the profile's op set (torch_npu) may not import here
     cfg = replace(cfg, hardware=replace(cfg.hardware, ops="reference"))

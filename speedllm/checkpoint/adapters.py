@@ -1,4 +1,5 @@
-"""The frozen base of an adapter run: where it comes from, loading it, and holding it in 4-bit (QLoRA).
+"""Adapter checkpoints: the frozen base of an adapter run (where it comes from, loading it, holding it in
+4-bit for QLoRA), and the adapters read back whole for export (a PEFT directory, or merged full HF weights).
 
 The base is an HF directory (checkpoint.load_hf) or a DCP checkpoint without adapters (checkpoint.load naming
 a full-weights checkpoint, e.g. one task=convert convert.to=dcp wrote). An adapter run's own checkpoints hold
@@ -7,15 +8,15 @@ saved with it, following earlier resumes back to the run that named the base.
 """
 
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from speedllm.adapters.lora import is_adapter, merged_state_dict, target_linears
 from speedllm.checkpoint.dcp import dcp_load, read_metadata, read_saved_config, resolve_load
 from speedllm.errors import UserError
-from speedllm.finetune.lora import is_adapter, target_linears
 
 
 def holds_adapters(ckpt: Path) -> bool:
@@ -63,7 +64,7 @@ NF4_BYTES = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_SCALER_BLOCK)
 def base_bytes(model_cfg, ft) -> dict:
     """Parameter counts and bytes of an adapter run's model, from the meta model: the frozen base (NF4 for the
     adapted projections under QLoRA, fp32 otherwise) and the trained adapters (fp32)."""
-    from speedllm.finetune.lora import apply_lora
+    from speedllm.adapters.lora import apply_lora
     from speedllm.models.qwen3 import Qwen3
 
     with torch.device("meta"):
@@ -110,9 +111,53 @@ def load_base(modules: List[nn.Module], cfg, resume_from: Optional[Path]) -> Opt
         else:
             load_dcp_base(modules, Path(path))
     if resume_from is None and ft.adapter is not None:
-        from speedllm.finetune.peft import load_peft_adapter
+        from speedllm.adapters.peft import load_peft_adapter
 
         load_peft_adapter(modules, ft.adapter, ft)
     if ft.name == "qlora":
         quantize_base(modules, ft.targets)
     return resume_from
+
+
+def read_adapters(ckpt: Path) -> Dict[str, torch.Tensor]:
+    """Every adapter tensor of a DCP checkpoint, whole, under our names."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = read_metadata(ckpt).state_dict_metadata
+    state = {key.removeprefix("model."): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+             for key, meta in metadata.items()
+             if key.startswith("model.") and is_adapter(key) and isinstance(meta, TensorStorageMetadata)}
+    dcp_load({"model": state}, ckpt)
+    return state
+
+
+def export_peft(ckpt: Path, out: str) -> Path:
+    """The adapters of checkpoint `ckpt` as a PEFT LoRA directory (for PeftModel.from_pretrained)."""
+    from speedllm.adapters.peft import write_peft_dir
+
+    saved = read_saved_config(ckpt)
+    kind, base = base_source(ckpt)
+    return write_peft_dir(out, saved.finetune, read_adapters(ckpt), base if kind == "hf" else None)
+
+
+def export_merged(ckpt: Path, out: str, cfg, dtype) -> Path:
+    """Base + scaling * B @ A for every adapted weight, written as an HF directory (transformers loads it)."""
+    from speedllm.checkpoint.hf import load_hf_weights, write_hf_dir
+    from speedllm.models.qwen3 import Qwen3
+
+    saved = read_saved_config(ckpt)
+    with torch.device("meta"):
+        model = Qwen3(saved.model)
+    model.to_empty(device="cpu")
+    model.tie_embeddings()
+    kind, base = base_source(ckpt)
+    if kind == "hf":
+        load_hf_weights(model, base)
+    else:
+        load_dcp_base([model], Path(base))
+    ft = saved.finetune
+    merged = merged_state_dict({**model.state_dict(), **read_adapters(ckpt)}, ft.alpha / ft.rank)
+    tensors = {name: (tuple(t.shape), t.dtype) for name, t in merged.items()}
+    return write_hf_dir(out, saved.model, tensors, lambda names: {n: merged[n] for n in names},
+                        cfg.convert.max_shard_size, dtype, base if kind == "hf" else None,
+                        OmegaConf.select(saved, "data.tokenizer"), cfg.logging.progress_bar)

@@ -1,0 +1,146 @@
+"""Resolution: fill in what the user left to us, before the one pre-flight check (speedllm.config.validate).
+
+    hardware=auto        -> the profile of the devices this machine has
+    checkpoint.load      -> the model and tokenizer the checkpoint was trained with (inference tasks)
+    launcher.nnodes > 1  -> the node rank and rendezvous host from SLURM
+    parallel=auto        -> the planner's fastest layout that fits; parallel.dp=-1 and the rank counts from the world
+"""
+
+import importlib.util
+import os
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from speedllm.checkpoint.dcp import read_saved_config, resolve_load
+from speedllm.config.validate import validate_values
+from speedllm.errors import UserError
+from speedllm.hardware import detect, load_profile
+from speedllm.runtime import under_torchrun
+
+
+def resolve(cfg: DictConfig) -> tuple[int, int]:
+    """Resolve cfg in place (see the module docstring); returns (world_size, nproc_per_node)."""
+    resolve_hardware(cfg)
+    if cfg.task.inference:
+        adopt_checkpoint_config(cfg)
+    if not cfg.task.in_process:  # a job that is not launched needs no rendezvous
+        resolve_nodes(cfg)
+    return resolve_layout(cfg)
+
+
+def resolve_hardware(cfg: DictConfig) -> None:
+    if cfg.hardware.name == "auto":
+        cfg.hardware = load_profile(detect())
+
+
+def resolve_nodes(cfg: DictConfig) -> None:
+    """Multi-node: under SLURM (Hydra's submitit launcher, one task per node) take the node rank and rendezvous
+    host from the job; elsewhere the user names the rendezvous endpoint (node 0's host:port)."""
+    lc = cfg.launcher
+    if lc.nnodes == 1 or under_torchrun():
+        return
+    if "SLURM_JOB_ID" in os.environ and importlib.util.find_spec("submitit") is not None:
+        import submitit
+
+        job = submitit.JobEnvironment()
+        lc.node_rank = job.node
+        if lc.rdzv_endpoint.startswith("localhost"):
+            lc.rdzv_endpoint = f"{job.hostnames[0]}:29500"
+    if lc.rdzv_endpoint.startswith("localhost") or lc.rdzv_endpoint.endswith(":0"):
+        raise UserError(f"launcher.nnodes={lc.nnodes} needs launcher.rdzv_endpoint=<host of node 0>:<free port> "
+                        f"(now {lc.rdzv_endpoint}), the same on every node")
+
+
+def resolve_layout(cfg: DictConfig) -> tuple[int, int]:
+    """Fill in parallel.dp (when -1) and launcher.nproc_per_node (when 0); return (world_size, nproc_per_node).
+
+    Under torchrun the world comes from its environment; otherwise from the launcher counts, or, when
+    those are left at 0, from the parallel layout itself (so `parallel=tp8` alone means 8 ranks).
+    """
+    p, launcher = cfg.parallel, cfg.launcher
+    if p.name == "auto":
+        validate_values(cfg)  # the planner's inputs (sizes, batch) must be sane before it searches
+        choose_layout(cfg)
+    model_parallel = p.tp * p.pp * p.cp
+    if under_torchrun():
+        world, nproc = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    elif launcher.nproc_per_node > 0:
+        nproc = launcher.nproc_per_node
+        world = launcher.nnodes * nproc
+    else:
+        world = max(p.dp, 1) * model_parallel
+        if world % launcher.nnodes:
+            raise UserError(f"the layout needs {world} ranks, which launcher.nnodes={launcher.nnodes} does not divide; "
+                            f"set launcher.nproc_per_node explicitly")
+        nproc = world // launcher.nnodes
+    if p.dp == -1:
+        if world % model_parallel:
+            raise UserError(f"world size {world} is not divisible by tp x pp x cp = {model_parallel}; "
+                            f"fix launcher.nproc_per_node / launcher.nnodes or the parallel degrees")
+        p.dp = world // model_parallel
+    launcher.nproc_per_node = nproc
+    return world, nproc
+
+
+def choose_layout(cfg: DictConfig) -> None:
+    """parallel=auto: fill cfg.parallel (and train.micro_batch_size / train.recompute when training) in place
+    with the fastest layout that fits on the devices the launcher names."""
+    from speedllm.planner import device_count
+    from speedllm.planner.memory import GIB
+    from speedllm.planner.search import Planner, problem_from_config
+
+    world = device_count(cfg)
+    planner = Planner(problem_from_config(cfg, world))
+    train = not cfg.task.inference
+    best = planner.search().best if train else planner.inference_layout(cfg.generate.batch_size,
+                                                                         cfg.generate.max_new_tokens)
+    if best is None:
+        raise UserError(f"parallel=auto: no layout of model {cfg.model.name} fits on {world} x {cfg.hardware.name} "
+                        f"(memory_gb={cfg.hardware.memory_gb}); add devices (launcher.nnodes / "
+                        f"launcher.nproc_per_node) or lower train.seq_len, train.global_batch_size")
+    lay, p = best.layout, cfg.parallel
+    p.dp, p.tp, p.pp, p.vpp, p.ep, p.cp = lay.dp, lay.tp, lay.pp, lay.vpp, lay.ep, lay.cp
+    p.fsdp, p.pp_schedule = lay.fsdp, lay.schedule
+    split = planner.split(lay)
+    p.pp_layers = split if lay.pp > 1 and len(set(split)) > 1 else None
+    if cfg.launcher.nproc_per_node == 0:
+        cfg.launcher.nproc_per_node = world // cfg.launcher.nnodes
+    if train:
+        cfg.train.micro_batch_size, cfg.train.recompute = lay.micro_batch, lay.recompute
+        print(f"parallel=auto: {lay.short()} on {world} device(s): {best.memory.total / GIB:.1f} GiB per device, "
+              f"~{best.tokens_per_s:,.0f} tokens/s (task=plan shows the alternatives)")
+    else:
+        print(f"parallel=auto: {lay.short()} on {world} device(s): {best.memory.total / GIB:.1f} GiB per device")
+
+
+def adopt_checkpoint_config(cfg: DictConfig) -> bool:
+    """With checkpoint.load, the architecture and tokenizer the checkpoint was trained with replace cfg's;
+    returns whether they did.
+
+    Before validation and freezing, so <run_dir>/config.yaml is the model that runs and is checked as such.
+    (An HF directory needs nothing here: model=hf reads its config.json, and validation checks any other
+    model= against it.)
+    """
+    ck = cfg.checkpoint
+    if ck.load_hf is not None:
+        return False
+    if ck.load is None:
+        raise UserError(f"task={cfg.task.name} needs weights: checkpoint.load=<checkpoint dir> (from a training "
+                        "run) or checkpoint.load_hf=<Hugging Face model dir> (with model=hf)")
+    path = resolve_load(ck.load, ck.dir)
+    if path is None:
+        raise UserError(f"checkpoint.load={ck.load}: no checkpoint there yet; point it at a step_* directory or a "
+                        "checkpoints directory")
+    frozen = path / "config.yaml"
+    with open_dict(cfg):
+        ck.load = str(path)
+        if not frozen.is_file():
+            return False
+        saved = read_saved_config(path)
+        if saved.model != cfg.model:
+            print(f"model and tokenizer from {frozen}: {saved.model.name}")
+        cfg.model = OmegaConf.merge(cfg.model, saved.model)
+        cfg.data.tokenizer = saved.data.tokenizer
+        if OmegaConf.select(saved, "finetune.name", default="full") != "full":  # an adapter run: its adapters
+            cfg.finetune = OmegaConf.merge(cfg.finetune, saved.finetune)
+    return True

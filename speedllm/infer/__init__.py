@@ -1,1 +1,0 @@
-"""Inference: generation with a static KV cache (engine), sampling, and the generate / chat / evaluate tasks."""

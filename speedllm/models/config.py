@@ -1,0 +1,42 @@
+"""ModelConfig: the Qwen3 architecture as data (the `model=` config group's schema), beside the model it builds."""
+
+from dataclasses import dataclass, field
+from typing import Any, List
+
+from omegaconf import MISSING
+
+# The linear projections of a Qwen3 layer (attention, dense MLP), by the last part of their names: what LoRA
+# adapts and quantization applies to (PEFT's target_modules, HF's weight names)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class ModelConfig:
+    """Qwen3 architecture; field names follow transformers' Qwen3Config / Qwen3MoeConfig."""
+
+    name: str = MISSING
+    vocab_size: int = MISSING
+    hidden_size: int = MISSING
+    intermediate_size: int = MISSING
+    num_hidden_layers: int = MISSING
+    num_attention_heads: int = MISSING
+    num_key_value_heads: int = MISSING
+    head_dim: int = 128
+    max_position_embeddings: int = 40960
+    rope_theta: float = 1_000_000.0
+    # RoPE scaling as transformers' rope_parameters without rope_theta, e.g. {rope_type: yarn, factor: 4.0,
+    # original_max_position_embeddings: 32768}; rope_type: linear | dynamic | yarn. None: plain RoPE.
+    rope_scaling: Any = None  # a dict (typed as Any so conf/model/hf.yaml can interpolate it)
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    # MoE (num_experts == 0 means dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: List[int] = field(default_factory=list)
+    router_aux_loss_coef: float = 0.001
+    # default tokenizer directory for this model (data.tokenizer defaults to it)
+    tokenizer: str = "${asset:tokenizers/qwen3}"

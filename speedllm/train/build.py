@@ -1,0 +1,90 @@
+"""What a training task builds: the parallelized model on this rank, its optimizer, schedule, loader and
+autocast, restored from where the run starts (build_training); the micro-batch count.
+
+Shared by task=pretrain/sft, task=dpo, task=dryrun and the planner's measurements.
+"""
+
+import contextlib
+from pathlib import Path
+from typing import Any, Dict, NamedTuple, Optional
+
+import torch
+
+from speedllm.adapters.lora import adapter_fn, init_adapters
+from speedllm.hardware import DTYPES
+from speedllm.parallel import ParallelModel, materialize, output_loss_for, parallelize
+from speedllm.runtime import Runtime
+from speedllm.train.optimizer import build_optimizer
+from speedllm.train.schedule import build_scheduler
+from speedllm.train.state import restore
+
+
+def grad_accum_steps(train, dp_size: int) -> int:
+    """Micro-batches per rank per step (validation made sure they divide)."""
+    return train.global_batch_size // (train.micro_batch_size * dp_size)
+
+
+
+def meta_model(cfg, rt: Runtime, adapt=None) -> ParallelModel:
+    """Qwen3 built on the meta device and parallelized for this rank: what training (and task=dryrun) builds."""
+    from speedllm.models.qwen3 import Qwen3
+
+    dims = rt.dims
+    with torch.device("meta"):
+        model = Qwen3(cfg.model, ops=cfg.hardware.ops, output_loss=output_loss_for(dims),
+                      loss_chunk_size=cfg.train.loss_chunk_size)
+    return parallelize(model, dims, cfg.parallel, cfg.train, DTYPES[cfg.hardware.dtype], rt.device, cfg.quant, adapt)
+
+
+
+def build_model(cfg, rt: Runtime) -> ParallelModel:
+    """Qwen3 built on the meta device, parallelized, then materialized and initialized on this rank's device."""
+    adapt = adapter_fn(cfg.finetune)
+    pm = meta_model(cfg, rt, adapt)
+    materialize(pm, rt.dims, rt.device, cfg.seed)
+    if adapt is not None:  # the same adapters on every layout, B = 0
+        init_adapters(pm.parts, cfg.seed)
+    return pm
+
+
+
+def autocast_for(cfg, pm: ParallelModel, device: torch.device):
+    """bf16/fp16 compute over fp32 master weights. FSDP2 applies its own mixed-precision policy instead."""
+    from torch.distributed.fsdp import FSDPModule
+
+    dtype = DTYPES[cfg.hardware.dtype]
+    if dtype == torch.float32 or isinstance(pm.module, FSDPModule):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+
+def to_device(batch: Dict[str, torch.Tensor], device: torch.device) -> Dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+class Training(NamedTuple):
+    """What a training task steps: built for this rank and restored (a resume, or the first weights)."""
+
+    pm: ParallelModel
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    loader: Any
+    autocast: Any
+    step: int  # the step it starts after
+    resume_from: Optional[Path]
+
+
+def build_training(cfg, rt: Runtime) -> Training:
+    """The model, optimizer, LR schedule and train-split loader of this rank, restored by train.state.restore."""
+    from speedllm.data.loader import build_loader
+
+    t = cfg.train
+    dp_rank, dp_size, _ = rt.dims.coords("dp")
+    pm = build_model(cfg, rt)
+    optimizer = build_optimizer(pm.module, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, t.steps)
+    loader = build_loader(cfg, "train", dp_rank, dp_size, t.micro_batch_size, t.seq_len, cfg.seed)
+    autocast = autocast_for(cfg, pm, rt.device)
+    step, resume_from = restore(cfg, rt, pm, optimizer, scheduler, loader)
+    return Training(pm, optimizer, scheduler, loader, autocast, step, resume_from)

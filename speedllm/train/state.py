@@ -1,0 +1,73 @@
+"""What a training run resumes from: RNG states, the checkpoint to load, and restoring model, optimizer,
+scheduler, loader position and RNG from it (or the first weights: HF, or the frozen base of an adapter run)."""
+
+import os
+import random
+
+import numpy as np
+import torch
+
+from speedllm.checkpoint.dcp import load_checkpoint, resolve_load
+from speedllm.checkpoint.hf import load_hf_weights
+from speedllm.parallel import ParallelModel
+from speedllm.runtime import Runtime
+from speedllm.train.optimizer import check_resumable
+from speedllm.train.schedule import load_scheduler_state
+
+
+def rng_state(device: torch.device) -> dict:
+    """Every RNG's state as tensors and plain Python values, so checkpoints load with weights_only=True."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
+                                                    cached), "torch": torch.get_rng_state()}
+    if device.type != "cpu":
+        state["device"] = getattr(torch, device.type).get_rng_state(device)
+    return state
+
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "device" in state:
+        getattr(torch, device.type).set_rng_state(state["device"], device)
+
+
+
+def load_request(cfg):
+    """checkpoint.load, or `auto` when the elastic agent restarted this job after a failure."""
+    if cfg.checkpoint.load is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return "auto"
+    return cfg.checkpoint.load
+
+
+
+def extra_state(step: int, scheduler, loader, device: torch.device) -> dict:
+    """What a checkpoint holds beside the model and optimizer: what restore() reads back."""
+    return {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
+            "rng": rng_state(device)}
+
+
+def restore(cfg, rt: Runtime, pm: ParallelModel, optimizer, scheduler, loader) -> tuple:
+    """Load what the run starts from: a checkpoint to resume (model, optimizer, scheduler, loader position, RNG),
+    else HF weights (checkpoint.load_hf); under adapters the frozen base first. Returns (step, checkpoint | None)."""
+    step, ck = 0, cfg.checkpoint
+    resume_from = resolve_load(load_request(cfg), ck.dir)
+    if cfg.finetune.name != "full":  # the frozen base under the adapters; the adapters resume below
+        from speedllm.checkpoint.adapters import load_base
+
+        resume_from = load_base(pm.parts, cfg, resume_from)
+    if resume_from is not None:
+        check_resumable(resume_from, cfg.optim)
+        extra = load_checkpoint(resume_from, pm.module, optimizer)
+        step = extra["step"]
+        load_scheduler_state(scheduler, optimizer, extra["scheduler"])
+        loader.load_state_dict(extra["loader"])
+        set_rng_state(extra["rng"], rt.device)
+        if rt.is_main:
+            print(f"resumed from {resume_from} at step {step}")
+    elif ck.load_hf is not None and cfg.finetune.name == "full":  # fine-tune from HF weights (a resume first)
+        load_hf_weights(pm.parts, ck.load_hf)
+    return step, resume_from
