@@ -16,7 +16,7 @@ from speedllm.config.validate import check_choices, check_values
 from speedllm.errors import UserError
 from speedllm.models.qwen3 import Qwen3
 from speedllm.runtime import Runtime
-from speedllm.train.loop import run
+from speedllm.tasks.pretrain import run
 from speedllm.train.optimizer import build_optimizer
 
 pytestmark = pytest.mark.numerics
