@@ -7,6 +7,7 @@ read back instead of run again, so an interrupted sweep continues where it stopp
 
     python benchmarks/bench_muon.py                          # both defaults and a 3-lr sweep of each
     python benchmarks/bench_muon.py --optims muon --lrs 0.01,0.02,0.04 --steps 400
+    python benchmarks/bench_muon.py --report                 # the table of the runs so far (a run in progress too)
 """
 
 import argparse
@@ -24,26 +25,23 @@ def run_dir_of(out: Path, optim: str, lr: float, steps: int) -> Path:
     return out / f"{optim}_lr{lr:g}_steps{steps}"
 
 
-def final_valid_loss(run_dir: Path):
-    """(step, loss) of the last validation record in the run's metrics.jsonl, or None before it has one."""
+def valid_losses(run_dir: Path) -> dict:
+    """{step: validation loss} of the run so far (the demo evaluates every 100 steps)."""
     metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file():
-        return None
-    valid = [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("split") == "valid"]
-    return (valid[-1]["step"], valid[-1]["loss"]) if valid else None
+    records = map(json.loads, metrics.read_text().splitlines()) if metrics.is_file() else []
+    return {r["step"]: r["loss"] for r in records if r.get("split") == "valid"}
 
 
-def train(out: Path, optim: str, lr: float, steps: int) -> tuple:
+def train(out: Path, optim: str, lr: float, steps: int, report: bool) -> dict:
     run_dir = run_dir_of(out, optim, lr, steps)
-    done = final_valid_loss(run_dir)
-    if done is not None and done[0] == steps:
-        return done
+    if report or steps in valid_losses(run_dir):
+        return valid_losses(run_dir)
     cmd = [sys.executable, str(ROOT / "launch.py"), f"optim={optim}", f"optim.lr={lr}", f"optim.min_lr={lr / 10:g}",
            f"train.steps={steps}", "generate.num_samples=0",
            "checkpoint.save_final=false", "logging.tensorboard=false", "logging.progress_bar=false",
            f"hydra.run.dir={run_dir}"]
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    return final_valid_loss(run_dir)
+    return valid_losses(run_dir)
 
 
 def main() -> None:
@@ -52,17 +50,18 @@ def main() -> None:
     parser.add_argument("--lrs", default=None, help="comma-separated peak lrs (default: each optimizer's sweep)")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench_muon")
+    parser.add_argument("--report", action="store_true", help="run nothing: the table of what --out holds so far")
     args = parser.parse_args()
     rows = []
     for optim in args.optims.split(","):
-        lrs = [float(x) for x in args.lrs.split(",")] if args.lrs else SWEEP[optim]
-        for lr in lrs:
-            step, loss = train(args.out, optim, lr, args.steps)
-            rows.append((optim, lr, step, loss))
-            print(f"{optim:<6} lr={lr:<8g} step {step}: valid loss {loss:.4f}", flush=True)
-    print(f"\n| optimizer | peak lr | steps | final valid loss |\n|---|---:|---:|---:|")
-    for optim, lr, step, loss in rows:
-        print(f"| {optim} | {lr:g} | {step} | {loss:.4f} |")
+        for lr in [float(x) for x in args.lrs.split(",")] if args.lrs else SWEEP[optim]:
+            rows.append((optim, lr, train(args.out, optim, lr, args.steps, args.report)))
+            print(f"{optim:<6} lr={lr:<8g} valid loss by step: {rows[-1][2]}", flush=True)
+    steps = sorted({step for _, _, losses in rows for step in losses})
+    print("\n| optimizer | peak lr | " + " | ".join(f"valid loss @ {s}" for s in steps) + " |")
+    print("|---|---:|" + "---:|" * len(steps))
+    for optim, lr, losses in rows:
+        print(f"| {optim} | {lr:g} | " + " | ".join(f"{losses[s]:.4f}" if s in losses else "-" for s in steps) + " |")
 
 
 if __name__ == "__main__":
