@@ -153,20 +153,21 @@ def test_resume_is_bit_exact_and_refuses_another_optimizer(tmp_path, launch):
 
 
 @pytest.mark.distributed
-def test_fsdp2_follows_the_single_process(tmp_path, launch_argv):
-    """`optim=muon parallel=fsdp2` (2 gloo ranks, every matrix's update gathered for Newton-Schulz) follows the
-    single-process run within 1e-4 relative over 5 steps."""
+def test_fsdp2_and_tp2_follow_the_single_process(tmp_path, launch_argv):
+    """`optim=muon parallel=fsdp2` and `parallel=tp2` (2 gloo ranks each, every matrix's update gathered for
+    Newton-Schulz) follow the single-process run within 1e-4 relative over 5 steps."""
     common = [*TINY, "train.global_batch_size=8", "train.steps=5"]
     procs = {name: subprocess.Popen(launch_argv(tmp_path / name, *common, f"parallel={name}"), cwd=tmp_path,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for name in ("single", "fsdp2")}
+             for name in ("single", "fsdp2", "tp2")}
     for name, proc in procs.items():
         out, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, f"{name}:\n{out[-4000:]}"
-    single, fsdp2 = ([r["loss"] for r in metrics(tmp_path / name)] for name in ("single", "fsdp2"))
-    assert len(single) == len(fsdp2) == 5 and single[-1] < single[0]
-    for a, b in zip(fsdp2, single):
-        assert abs(a - b) <= 1e-4 * abs(b), (fsdp2, single)
+    single = [r["loss"] for r in metrics(tmp_path / "single")]
+    assert len(single) == 5 and single[-1] < single[0]
+    for name in ("fsdp2", "tp2"):
+        got = [r["loss"] for r in metrics(tmp_path / name)]
+        assert len(got) == 5 and all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(got, single)), (name, got, single)
 
 
 @pytest.mark.unit
