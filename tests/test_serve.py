@@ -21,8 +21,11 @@ from test_generate import DEMO_TOKENIZER, hf_greedy, stop_ids
 
 from speedllm.data.tokenizer import load_tokenizer
 from speedllm.generation.batching import Batcher
+from speedllm.generation.openai_schema import CompletionRequest
 from speedllm.paths import ROOT
 from speedllm.tasks.serve import ApiError, Server, build_app
+
+pytestmark = pytest.mark.numerics
 
 MODEL_ID = "tiny-qwen3"
 
@@ -199,7 +202,7 @@ def test_a_full_queue_answers_503(hf_pair):
     server = Server(batcher, tok, MODEL_ID, 32, None, False)
 
     async def submit_three():
-        body = {"prompt": "ROMEO:", "max_tokens": 4, "stream": True}
+        body = CompletionRequest(prompt="ROMEO:", max_tokens=4, stream=True)
         await server.respond(body, chat=False)
         await server.respond(body, chat=False)
         with pytest.raises(ApiError) as e:
@@ -217,7 +220,7 @@ def test_api_key_is_required_when_set(hf_pair):
     tok = load_tokenizer(str(DEMO_TOKENIZER))
     _, _, ours = hf_pair(seed=1, vocab_size=len(tok))
     batcher = Batcher(ours, tok, stop_ids(tok), max_batch=1, max_len=32, max_queue=2, dtype=torch.float32)
-    http = TestClient(build_app(Server(batcher, tok, MODEL_ID, 32, "s3cret", False)))
+    http = TestClient(build_app(Server(batcher, tok, MODEL_ID, 32, "s3cret", False), max_body_bytes=4096))
     response = http.get("/v1/models")
     assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
     response = http.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
@@ -246,3 +249,17 @@ def test_tp2_serves_the_single_process_answers_and_stops_on_sigterm(hf_dir):
         while session_alive(proc.pid) and time.time() - start < 30:
             time.sleep(0.2)
         assert not session_alive(proc.pid) and time.time() - start < 15
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400(hf_pair):
+    """A model's own template may raise on a conversation it does not take (e.g. no user turn): the client's 400."""
+    from fastapi.testclient import TestClient
+
+    tok = load_tokenizer(str(DEMO_TOKENIZER))
+    tok.chat_template = "{% if messages[-1].role != 'user' %}{{ raise_exception('No user query found') }}{% endif %}"
+    _, _, ours = hf_pair(seed=1, vocab_size=len(tok))
+    batcher = Batcher(ours, tok, stop_ids(tok), max_batch=1, max_len=32, max_queue=2, dtype=torch.float32)
+    http = TestClient(build_app(Server(batcher, tok, MODEL_ID, 32, None, False), max_body_bytes=4096))
+    response = http.post("/v1/chat/completions", json={"messages": [{"role": "system", "content": "be brief"}]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    assert "No user query found" in response.json()["error"]["message"]

@@ -1,6 +1,7 @@
 """Resolution: fill in what the user left to us, before the one pre-flight check (speedllm.config.validate).
 
     hardware=auto        -> the profile of the devices this machine has
+    model=hf             -> the fields of checkpoint.load_hf's config.json, as values
     checkpoint.load      -> the model and tokenizer the checkpoint was trained with (inference tasks)
     launcher.nnodes > 1  -> the node rank and rendezvous host from SLURM
     parallel=auto        -> the planner's fastest layout that fits; parallel.dp=-1 and the rank counts from the world
@@ -21,11 +22,19 @@ from speedllm.runtime import under_torchrun
 def resolve(cfg: DictConfig) -> tuple[int, int]:
     """Resolve cfg in place (see the module docstring); returns (world_size, nproc_per_node)."""
     resolve_hardware(cfg)
+    resolve_model(cfg)
     if cfg.task.inference:
         adopt_checkpoint_config(cfg)
     if not cfg.task.in_process:  # a job that is not launched needs no rendezvous
         resolve_nodes(cfg)
     return resolve_layout(cfg)
+
+
+def resolve_model(cfg: DictConfig) -> None:
+    """The model's fields as values: model=hf reads them from config.json through `${hf_model:...}`, and a
+    rope_scaling dict (YaRN, linear, dynamic) cannot stay an interpolation when the config is frozen."""
+    if OmegaConf.is_interpolation(cfg.model, "rope_scaling"):
+        cfg.model.rope_scaling = OmegaConf.select(cfg.model, "rope_scaling")
 
 
 def resolve_hardware(cfg: DictConfig) -> None:

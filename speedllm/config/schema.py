@@ -253,6 +253,8 @@ class ServeConfig:
     max_len: int = 4096  # tokens per request, prompt + completion (capped at model.max_position_embeddings)
     api_key: Optional[str] = None  # when set, clients must send "Authorization: Bearer <key>"
     model_name: Optional[str] = None  # the served model's id; default: the HF directory's name or model.name
+    max_body_bytes: int = 1048576  # a request body past it gets a 413 (1 MiB holds a 40k-token prompt as JSON)
+    read_timeout: float = 30.0  # seconds a client has to send a whole request; a slower one's connection is closed
 
 
 @dataclass

@@ -14,7 +14,7 @@ from speedllm.errors import UserError
 from speedllm.hardware import DTYPES
 from speedllm.models.config import PROJECTIONS
 from speedllm.ops import IMPLEMENTATIONS
-from speedllm.parallel.rules import divisors, inference_layout_errors, layout_errors
+from speedllm.parallel.rules import divisors, inference_layout_errors, layout_errors, pipeline_batch_errors
 from speedllm.quant import FLOAT8_RECIPES, QUANT_NAMES, TRAINING
 from speedllm.train.muon import ADJUST_LR_FNS, NS_DTYPES
 from speedllm.train.schedule import SCHEDULES
@@ -211,6 +211,11 @@ def check_batch(cfg: DictConfig) -> None:
     if t.global_batch_size % (t.micro_batch_size * p.dp) and cfg.task.name != "dryrun":
         raise UserError(f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="
                         f"{t.micro_batch_size} x parallel.dp={p.dp}; use a multiple of {t.micro_batch_size * p.dp}")
+    if not cfg.task.inference and cfg.task.name not in ("dryrun", "plan"):
+        for error in pipeline_batch_errors(pp=p.pp, vpp=p.vpp, schedule=p.pp_schedule,
+                                           pp_microbatches=p.pp_microbatches, global_batch=t.global_batch_size,
+                                           micro_batch=t.micro_batch_size, dp=p.dp):
+            raise UserError(error)
     # inference has no training sequence; a plan only sizes the run
     if t.seq_len > m.max_position_embeddings and not cfg.task.inference and cfg.task.name != "plan":
         raise UserError(f"train.seq_len={t.seq_len} exceeds max_position_embeddings={m.max_position_embeddings} of "
@@ -308,6 +313,8 @@ def check_inference(cfg: DictConfig) -> None:
             (s.max_batch >= 1, f"serve.max_batch={s.max_batch} must be >= 1"),
             (s.max_queue >= 1, f"serve.max_queue={s.max_queue} must be >= 1"),
             (s.max_len >= 2, f"serve.max_len={s.max_len} must be >= 2 (prompt + completion tokens per request)"),
+            (s.max_body_bytes >= 1024, f"serve.max_body_bytes={s.max_body_bytes} must be >= 1024"),
+            (s.read_timeout > 0, f"serve.read_timeout={s.read_timeout} must be > 0 (seconds)"),
         ]
     include = cfg.evaluate.include_path
     if cfg.task.name == "evaluate" and include is not None and not os.path.isdir(include):

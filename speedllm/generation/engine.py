@@ -15,6 +15,7 @@ from torch import nn
 
 from speedllm.generation.sampling import Sampling, next_token
 from speedllm.models.kv_cache import KVCache
+from speedllm.models.rope import max_positions
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple:
@@ -88,7 +89,7 @@ def generate_ids(
     on_token: Optional[Callable[[int], None]] = None,
 ) -> List[List[int]]:
     """New token ids for each prompt (a row ends at its first stop id, which is kept, or after max_new_tokens,
-    or where the longest row reaches the model's max_position_embeddings).
+    or where the longest row reaches the model's max_positions).
 
     Args:
         model: a Qwen3 (possibly tensor-parallel or FSDP-wrapped), every rank calling with the same prompts.
@@ -103,7 +104,7 @@ def generate_ids(
     device = next(model.parameters()).device
     B = len(prompts)
     tokens_BS, mask_BS, positions_BS = left_pad(prompts, pad_id, device)
-    max_new_tokens = max(0, min(max_new_tokens, cfg.max_position_embeddings - tokens_BS.shape[1]))
+    max_new_tokens = max(0, min(max_new_tokens, max_positions(cfg) - tokens_BS.shape[1]))
     cache = new_cache(cfg, B, tokens_BS.shape[1] + max_new_tokens, dtype, device, tp)
     generator = None
     if not sampling.greedy:

@@ -26,6 +26,7 @@ from speedllm.generation.batching import Batcher, Request
 from speedllm.generation.engine import StopStrings, keep_positions
 from speedllm.generation.load import DTYPES, load_model
 from speedllm.generation.sampling import Sampling
+from speedllm.models.rope import max_positions
 from speedllm.runtime import Runtime
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's HF backend default
@@ -147,7 +148,7 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
         raise UserError(f"evaluate.tasks: lm-eval knows no task {', '.join(unknown)}; check the names (lm-eval "
                         "--tasks list) or add their YAMLs with evaluate.include_path=<dir>")
     model = load_model(cfg, rt)
-    lm = SpeedLM(model, tokenizer_for(cfg), cfg.model.max_position_embeddings, ev.batch_size,
+    lm = SpeedLM(model, tokenizer_for(cfg), max_positions(cfg.model), ev.batch_size,
                  DTYPES[cfg.hardware.dtype], cfg.parallel.tp, cfg.seed)
     out = simple_evaluate(model=lm, tasks=list(ev.tasks), num_fewshot=ev.num_fewshot, limit=ev.limit,
                           task_manager=manager, log_samples=False, random_seed=cfg.seed,

@@ -103,6 +103,9 @@ def model_config_from_hf(config: dict) -> dict:
     model_type = config.get("model_type")
     if model_type not in ("qwen3", "qwen3_moe"):
         raise UserError(f"config.json: model_type {model_type!r} is not Qwen3; use a qwen3 or qwen3_moe checkpoint")
+    if config.get("use_sliding_window") or "sliding_attention" in (config.get("layer_types") or []):
+        raise UserError("config.json: use_sliding_window / layer_types ask for sliding-window attention, which "
+                        "SpeedLLM's Qwen3 does not implement; use a checkpoint with full attention (Qwen3's default)")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
     out = dict(

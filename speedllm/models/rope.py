@@ -74,6 +74,15 @@ def _yarn(theta: float, dim: int, scaling: dict) -> Tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
+def max_positions(cfg) -> int:
+    """The longest sequence the model runs: max_position_embeddings, times the factor under dynamic NTK, whose
+    frequencies exist to go past it (linear and YaRN fold their extension into max_position_embeddings)."""
+    scaling = cfg.rope_scaling
+    if scaling and scaling["rope_type"] == "dynamic":
+        return int(cfg.max_position_embeddings * scaling["factor"])
+    return cfg.max_position_embeddings
+
+
 def inverse_frequencies(cfg, seq_len: Optional[int] = None) -> Tuple[torch.Tensor, float]:
     """(inv_freq [head_dim / 2] fp32 on the CPU, cos/sin scale) for `cfg` (a ModelConfig).
 

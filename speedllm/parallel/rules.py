@@ -86,6 +86,35 @@ def layout_errors(model, *, tp: int, pp: int, vpp: int, ep: int, cp: int, dp: in
     return errors
 
 
+def pipeline_batch_errors(*, pp: int, vpp: int, schedule: str, pp_microbatches: int, global_batch: int,
+                          micro_batch: int, dp: int) -> List[str]:
+    """What torch.distributed.pipelining would refuse at the first step, for this step's batch.
+
+    A step hands the schedule the dp rank's global_batch / dp sequences, cut into parallel.pp_microbatches
+    micro-batches (0: as many as the loop's global_batch / (micro_batch x dp)).
+    """
+    if pp == 1:
+        return []
+    rows = global_batch // dp
+    n = pp_microbatches or global_batch // (micro_batch * dp)
+    stages = pp * vpp
+    where = (f"parallel.pp_microbatches={pp_microbatches}" if pp_microbatches else
+             f"train.global_batch_size={global_batch} / (train.micro_batch_size={micro_batch} x parallel.dp={dp})")
+    if n > rows:
+        return [f"{where} asks for {n} micro-batches but a pipeline step has {rows} sequences per dp rank; "
+                "lower parallel.pp_microbatches or raise train.global_batch_size"]
+    if schedule in ("1F1B", "DualPipeV") and n < stages:
+        return [f"parallel.pp_schedule={schedule} over {stages} stages needs at least {stages} micro-batches per "
+                f"step, but {where} gives {n}; raise train.global_batch_size to "
+                f"{stages * micro_batch * dp}, lower train.micro_batch_size, or set parallel.pp_microbatches="
+                f"{stages}" + (" (or use pp_schedule=GPipe)" if schedule == "1F1B" else "")]
+    rounds = max(1, n // pp)
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and n % rounds:
+        return [f"parallel.pp_schedule={schedule} needs the micro-batches per step to be a multiple of "
+                f"{rounds} (rounds of parallel.pp={pp}), but {where} gives {n}; use a multiple of parallel.pp"]
+    return []
+
+
 def inference_layout_errors(task: str, *, pp: int, cp: int, ep: int) -> List[str]:
     """Inference places the model with tensor parallelism only; data-parallel ranks split the prompts."""
     if pp > 1 or cp > 1 or ep > 1:

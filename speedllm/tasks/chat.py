@@ -18,6 +18,7 @@ from speedllm.generation.engine import Detokenizer, generate_ids
 from speedllm.generation.load import load_model
 from speedllm.generation.sampling import Sampling
 from speedllm.hardware import DTYPES
+from speedllm.models.rope import max_positions
 from speedllm.runtime import Runtime
 
 PROMPT = "you> "
@@ -59,7 +60,7 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
         raise UserError(f"data.tokenizer={cfg.data.tokenizer} has no chat template; task=chat needs a tokenizer "
                         "with one (e.g. a Qwen3 tokenizer directory)")
     stop_ids, pad_id = stop_ids_of(tokenizer), pad_id_of(tokenizer)
-    budget = cfg.model.max_position_embeddings - gen.max_new_tokens
+    budget = max_positions(cfg.model) - gen.max_new_tokens
     history: List[dict] = []
     thinking = gen.enable_thinking
     if rt.is_main:

@@ -23,6 +23,7 @@ from speedllm.generation.complete import complete, encode
 from speedllm.generation.engine import Detokenizer
 from speedllm.generation.load import load_model
 from speedllm.hardware import DTYPES
+from speedllm.models.rope import max_positions
 from speedllm.outputs import write_text_atomic
 from speedllm.runtime import Runtime
 
@@ -83,10 +84,11 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
     model = load_model(cfg, rt)
     tokenizer = tokenizer_for(cfg)
     longest = max(len(encode(tokenizer, p, gen)) for p in prompts)
-    if longest + gen.max_new_tokens > cfg.model.max_position_embeddings and rt.is_main:
+    limit = max_positions(cfg.model)
+    if longest + gen.max_new_tokens > limit and rt.is_main:
         print(f"warning: a prompt of {longest} tokens + generate.max_new_tokens={gen.max_new_tokens} goes past the "
-              f"model's max_position_embeddings={cfg.model.max_position_embeddings}; text beyond it is unreliable",
-              file=sys.stderr)
+              f"{limit} positions the model takes (model.max_position_embeddings); its completion stops after "
+              f"{max(limit - longest, 0)} new tokens", file=sys.stderr)
     dp_rank, dp_size = (rt.mesh["dp"].get_local_rank(), rt.mesh["dp"].size()) if rt.mesh is not None else (0, 1)
     indices = list(range(dp_rank, len(prompts), dp_size))
     streaming = gen.stream and len(prompts) == 1 and rt.is_main

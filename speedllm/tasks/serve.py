@@ -5,12 +5,15 @@
 
 /v1/chat/completions (the tokenizer's chat template; Qwen3's thinking switch as vLLM's
 `chat_template_kwargs: {"enable_thinking": …}`), /v1/completions, /v1/models, /health; `stream: true` sends
-server-sent events. Bad requests get OpenAI-shaped errors with status 400, a full queue 503. Under tensor
-parallelism rank 0 serves HTTP and schedules; every step goes to the other ranks (speedllm.generation.batching).
+server-sent events. Every request is checked at the edge (speedllm.generation.openai_schema, then what depends on
+the model): whatever a client sends, its mistake gets a 4xx with OpenAI's error JSON, never a 5xx (limits in
+docs/serve-hardening.md). Under tensor parallelism rank 0 serves HTTP and schedules; every step goes to the other
+ranks (speedllm.generation.batching).
 """
 
 import asyncio
 import contextlib
+import hmac
 import json
 import signal
 import threading
@@ -28,9 +31,8 @@ from speedllm.generation.batching import Batcher, QueueFull, Request, new_slot_c
 from speedllm.generation.engine import Detokenizer
 from speedllm.generation.load import DTYPES, load_model
 from speedllm.generation.sampling import Sampling
+from speedllm.models.rope import max_positions
 from speedllm.runtime import Runtime
-
-MAX_STOPS = 4  # OpenAI's limit on stop strings
 
 
 class ApiError(Exception):
@@ -47,18 +49,6 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
-def _number(body: dict, key: str, default, kind, ok, rule: str):
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and int(value) != value):
-        raise ApiError(400, f"{key}={value!r} must be a number ({rule})", key, "invalid_value")
-    value = kind(value)
-    if not ok(value):
-        raise ApiError(400, f"{key}={value} is out of range: {rule}", key, "invalid_value")
-    return value
-
-
 class Server:
     """Turns OpenAI requests into batcher requests and their tokens back into OpenAI responses."""
 
@@ -70,76 +60,66 @@ class Server:
         self.created = int(time.time())
 
     # ---------------------------------------------------------------- parsing
-    def check_model(self, body: dict) -> None:
-        model = body.get("model")
-        if model is not None and model != self.model_id:
-            raise ApiError(400, f"The model `{model}` does not exist; this server serves `{self.model_id}`",
-                           "model", "model_not_found")
+    def check_model(self, req) -> None:
+        if req.model is not None and req.model != self.model_id:
+            raise ApiError(400, f"The model `{clip(req.model)}` does not exist; this server serves "
+                           f"`{self.model_id}`", "model", "model_not_found")
 
-    def sampling_of(self, body: dict, prompt_len: int, chat: bool) -> dict:
-        """Sampling settings, limits and stops of a request, checked. max_tokens defaults as OpenAI's: the rest
-        of the context for chat, 16 for a completion."""
-        temperature = _number(body, "temperature", 1.0, float, lambda v: 0 <= v <= 2, "0 <= temperature <= 2")
-        top_p = _number(body, "top_p", 1.0, float, lambda v: 0 < v <= 1, "0 < top_p <= 1")
-        top_k = _number(body, "top_k", 0, int, lambda v: v >= -1, "top_k >= 0 (0 or -1: off)")
-        n = _number(body, "n", 1, int, lambda v: 1 <= v <= self.batcher.max_queue, "1 <= n <= serve.max_queue")
-        seed = _number(body, "seed", None, int, lambda v: True, "an integer")
+    def sampling_of(self, req, prompt_len: int, chat: bool) -> dict:
+        """Sampling settings, limits and stops of a request (its schema checked each alone). max_tokens defaults
+        as OpenAI's: the rest of the context for chat, 16 for a completion."""
+        if req.n > self.batcher.max_queue:
+            raise ApiError(400, f"n={req.n} is more than this server queues (serve.max_queue="
+                           f"{self.batcher.max_queue})", "n", "invalid_value")
         room = self.max_len - prompt_len
         if room < 1:
             raise ApiError(400, f"This model's maximum context length is {self.max_len} tokens. However, your "
                            f"prompt has {prompt_len} tokens, which leaves no room for a completion.",
-                           "messages" if "messages" in body else "prompt", "context_length_exceeded")
-        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = _number(body, key, room if chat else min(16, room), int, lambda v: v >= 1, f"{key} >= 1")
+                           "messages" if chat else "prompt", "context_length_exceeded")
+        key, max_tokens = "max_tokens", req.max_tokens
+        if chat and req.max_completion_tokens is not None:
+            key, max_tokens = "max_completion_tokens", req.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = room if chat else min(16, room)
         if prompt_len + max_tokens > self.max_len:
             raise ApiError(400, f"This model's maximum context length is {self.max_len} tokens. However, you "
                            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
                            f"for the completion). Please reduce the length of the prompt or {key}.",
                            key, "context_length_exceeded")
-        stop = body.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
-            raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOPS} non-empty strings",
-                           "stop", "invalid_value")
-        return dict(sampling=Sampling(temperature, max(top_k, 0), top_p), max_tokens=max_tokens, n=n, seed=seed,
-                    stop=stop)
+        return dict(sampling=Sampling(req.temperature, max(req.top_k, 0), req.top_p), max_tokens=max_tokens,
+                    n=req.n, seed=req.seed, stop=req.stops)
 
     def encode(self, text: str) -> List[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        # verbose=False: a prompt longer than the tokenizer's model_max_length is the client's, answered with a
+        # 400 (context_length_exceeded), not a warning in the server's log
+        return self.tokenizer.encode(text, add_special_tokens=False, verbose=False)
 
-    def chat_prompt(self, body: dict) -> List[int]:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "messages must be a non-empty list of {role, content}", "messages", "invalid_value")
-        rendered = []
-        for m in messages:
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list):  # content parts: the text ones
-                content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-            if not isinstance(content, str) or m.get("role") not in ("system", "user", "assistant", "tool"):
-                raise ApiError(400, "every message needs a role (system, user, assistant, tool) and text content",
-                               "messages", "invalid_value")
-            rendered.append({"role": m["role"], "content": content})
-        kwargs = body.get("chat_template_kwargs") or {}
-        thinking = bool(kwargs.get("enable_thinking", self.enable_thinking))
-        text = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True,
-                                                  enable_thinking=thinking)
+    def chat_prompt(self, req) -> List[int]:
+        from jinja2 import TemplateError
+
+        messages = [{"role": m.role, "content": m.text} for m in req.messages]
+        kwargs = req.chat_template_kwargs
+        thinking = kwargs.enable_thinking if kwargs is not None and kwargs.enable_thinking is not None \
+            else self.enable_thinking
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                      enable_thinking=thinking)
+        except TemplateError as e:  # the model's own template refuses the conversation (e.g. no user turn)
+            raise ApiError(400, f"the chat template refused these messages: {clip(str(e))}", "messages",
+                           "invalid_value") from None
         return self.encode(text)
 
-    def completion_prompt(self, body: dict) -> List[int]:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+    def completion_prompt(self, req) -> List[int]:
+        prompt = req.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], str):  # a list of one string
             prompt = prompt[0]
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            ids = prompt
-        elif isinstance(prompt, str):
-            ids = self.encode(prompt)
-        else:
-            raise ApiError(400, "prompt must be a string (or one list of token ids)", "prompt", "invalid_value")
+        ids = self.encode(prompt) if isinstance(prompt, str) else prompt
         if not ids:
             raise ApiError(400, "prompt is empty", "prompt", "invalid_value")
-        if max(ids) >= self.batcher.model.cfg.vocab_size or min(ids) < 0:
-            raise ApiError(400, "prompt holds token ids outside the vocabulary", "prompt", "invalid_value")
+        vocab_size = self.batcher.model.cfg.vocab_size
+        if max(ids) >= vocab_size or min(ids) < 0:
+            raise ApiError(400, f"prompt holds token ids outside the vocabulary (0..{vocab_size - 1})", "prompt",
+                           "invalid_value")
         return ids
 
     # ---------------------------------------------------------------- running
@@ -166,18 +146,20 @@ class Server:
         return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
                 "total_tokens": len(prompt_ids) + completion}
 
-    async def respond(self, body: dict, chat: bool):
-        """The JSON response, or an async iterator of server-sent events when body["stream"]."""
-        self.check_model(body)
-        prompt_ids = self.chat_prompt(body) if chat else self.completion_prompt(body)
-        params = self.sampling_of(body, len(prompt_ids), chat)
+    async def respond(self, req, chat: bool):
+        """The JSON response to a parsed request (speedllm.generation.openai_schema), or an async iterator of
+        server-sent events when req.stream."""
+        self.check_model(req)
+        # off the event loop: a long prompt takes seconds to tokenize (the tokenizer releases the GIL)
+        prompt_ids = await asyncio.to_thread(self.chat_prompt if chat else self.completion_prompt, req)
+        params = self.sampling_of(req, len(prompt_ids), chat)
         events: asyncio.Queue = asyncio.Queue()
         requests = self.submit(prompt_ids, params, events)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": self.model_id}
         texts = [Detokenizer(self.tokenizer, self.stop_ids, params["stop"]) for _ in requests]
-        if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if req.stream:
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
             return self.stream(head, chat, prompt_ids, requests, texts, events, include_usage)
         try:
             left = len(requests)
@@ -231,34 +213,93 @@ class Server:
                 r.cancelled = True
 
 
-def build_app(server: Server):
-    """The FastAPI application of `server`."""
+def clip(text: str, limit: int = 80) -> str:
+    """A client's value quoted back in an error, at most `limit` characters."""
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def schema_error(e) -> ApiError:
+    """A pydantic ValidationError of a request body as OpenAI's 400: the first problem, its field as `param`."""
+    first = e.errors(include_url=False)[0]
+    if first["type"] == "json_invalid":
+        return ApiError(400, f"The request body is not valid JSON ({first['msg']})", None, "invalid_json")
+    if not first["loc"]:
+        return ApiError(400, "The request body must be a JSON object", None, "invalid_json")
+    param = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"]).lstrip(".")
+    if first["type"] == "extra_forbidden":
+        return ApiError(400, f"Unrecognized request argument supplied: {clip(param)}", param, "unknown_parameter")
+    return ApiError(400, f"{param}: {first['msg']}", param, "invalid_value")
+
+
+async def read_body(request, limit: int) -> bytes:
+    """The request's body, refused past `limit` bytes without reading the rest."""
+    from starlette.requests import ClientDisconnect
+
+    too_large = ApiError(413, f"The request body is larger than this server accepts (serve.max_body_bytes={limit})",
+                         None, "request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+    except ClientDisconnect:  # it left, or was cut off (serve.read_timeout): this answer reaches nobody
+        raise ApiError(400, "The client closed the connection before sending the whole request", None,
+                       "incomplete_request") from None
+    return bytes(body)
+
+
+async def until_disconnected(request) -> None:
+    """Returns once the client has closed its connection (the body has been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def build_app(server: Server, max_body_bytes: int):
+    """The FastAPI application of `server`; request bodies up to `max_body_bytes`."""
     from fastapi import FastAPI
     from fastapi import Request as HttpRequest
     from fastapi.responses import JSONResponse, StreamingResponse
+    from pydantic import ValidationError
+    from starlette.exceptions import HTTPException
 
-    app = FastAPI(title="SpeedLLM", docs_url=None, redoc_url=None)
+    from speedllm.generation.openai_schema import ChatRequest, CompletionRequest
+
+    app = FastAPI(title="SpeedLLM", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status)
 
-    def check_key(request: HttpRequest) -> None:
-        if server.api_key is not None and request.headers.get("authorization") != f"Bearer {server.api_key}":
-            raise ApiError(401, "Incorrect API key provided", None, "invalid_api_key")
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):  # an unknown path (404) or method (405), as OpenAI answers it
+        error = ApiError(e.status_code, f"{e.detail}: {request.method} {clip(request.url.path)}")
+        return JSONResponse(error.body(), status_code=e.status_code, headers=e.headers)
 
-    async def read_json(request: HttpRequest) -> dict:
-        try:
-            body = await request.json()
-        except ValueError:
-            raise ApiError(400, "the request body is not valid JSON", None, "invalid_json") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
-        return body
+    def check_key(request: HttpRequest) -> None:
+        if server.api_key is not None and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode(), f"Bearer {server.api_key}".encode()):
+            raise ApiError(401, "Incorrect API key provided", None, "invalid_api_key")
 
     async def complete(request: HttpRequest, chat: bool):
         check_key(request)
-        result = await server.respond(await read_json(request), chat)
+        try:
+            req = (ChatRequest if chat else CompletionRequest).model_validate_json(
+                await read_body(request, max_body_bytes))
+        except ValidationError as e:
+            raise schema_error(e) from None
+        # a client that leaves before a whole (not streamed) answer cancels it: its rows are freed
+        answer, gone = asyncio.ensure_future(server.respond(req, chat)), asyncio.ensure_future(
+            until_disconnected(request))
+        await asyncio.wait((answer, gone), return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not answer.done():
+            answer.cancel()
+            raise ApiError(400, "The client closed the connection before the answer", None, "client_disconnected")
+        result = answer.result()
         if isinstance(result, dict):
             return result
         return StreamingResponse(result, media_type="text/event-stream")
@@ -284,6 +325,59 @@ def build_app(server: Server):
     return app
 
 
+def with_read_deadline(seconds: float):
+    """uvicorn's h11 protocol, where a client must send each whole request (head and body) within `seconds` of
+    connecting or of its previous answer, else its connection is closed. uvicorn sets no such limit: a client
+    that stalls half-way through a request would hold its connection open forever. Also mends uvicorn's answer
+    to a request that turns malformed after a good head (a bad chunk), which raised in h11 (a traceback in the
+    log) whenever the application had answered or was about to answer that head."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class DeadlineH11Protocol(H11Protocol):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.deadline = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self.watch()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self.watch()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self.watch()
+
+        def receiving(self) -> bool:
+            return self.conn.their_state in (h11.IDLE, h11.SEND_BODY)
+
+        def watch(self) -> None:
+            """Arm the deadline when a request begins to be awaited; disarm it once the request is whole."""
+            if self.receiving() and self.deadline is None:
+                self.deadline = self.loop.call_later(seconds, self.expire)
+            elif not self.receiving() and self.deadline is not None:
+                self.deadline.cancel()
+                self.deadline = None
+
+        def expire(self) -> None:
+            self.deadline = None
+            if self.receiving():
+                self.transport.close()
+
+        def send_400_response(self, msg: str) -> None:
+            if self.cycle is not None:  # the application's answer to the head now goes nowhere, not into h11
+                self.cycle.disconnected = True
+            if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):  # no answer begun: uvicorn's plain 400
+                super().send_400_response(msg)
+            else:
+                self.transport.close()
+
+    return DeadlineH11Protocol
+
+
 def model_id_of(cfg: DictConfig) -> str:
     """serve.model_name, else the HF directory's name, else the model's name."""
     if cfg.serve.model_name:
@@ -302,7 +396,7 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
     except ImportError:
         raise UserError("task=serve needs FastAPI and uvicorn: pip install -e '.[serve]'") from None
     model = load_model(cfg, rt)
-    max_len = min(s.max_len, cfg.model.max_position_embeddings)
+    max_len = min(s.max_len, max_positions(cfg.model))
     dtype, tp = DTYPES[cfg.hardware.dtype], cfg.parallel.tp
     if not rt.is_main:
         # SIGTERM/SIGINT reach every rank; these follow rank 0, which stops them once its server is down.
@@ -315,8 +409,8 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
     thread = threading.Thread(target=batcher.run, name="batcher", daemon=True)
     thread.start()
     server = Server(batcher, tokenizer, model_id_of(cfg), max_len, s.api_key, cfg.generate.enable_thinking)
-    config = uvicorn.Config(build_app(server), host=s.host, port=s.port, log_level="warning",
-                            timeout_graceful_shutdown=2)
+    config = uvicorn.Config(build_app(server, s.max_body_bytes), host=s.host, port=s.port, log_level="warning",
+                            http=with_read_deadline(s.read_timeout), timeout_graceful_shutdown=2)
     http = uvicorn.Server(config)
     print(f"serving {server.model_id} on http://{s.host}:{s.port}/v1 (max_batch {s.max_batch}, "
           f"{max_len} tokens per request)", flush=True)
