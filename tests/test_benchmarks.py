@@ -22,6 +22,7 @@ HEADERS = {
     "gpu": "| decode | qwen3_0.6b, float32, batch 8",
     "init": "peak RSS MiB",
     "model": "ours/transformers: tokens/s",
+    "muon": "| optimizer | peak lr | valid loss @ 2 |",
     "peer": "| batch | transformers static cache tokens/s | ours tokens/s | ratio | same ids |",
     "planner": "| model | layout | rank | params held (= predicted) |",
     "preprocess": "| workers | documents | tokens |",
@@ -36,7 +37,7 @@ HEADERS = {
     "varlen": "| path | step CPU s (median) | peak tensor MiB |",
 }
 # several processes (spawned ranks, launch.py runs, a server) or a minute and more on a 2-core CPU
-SLOW = {"cp_memory", "fsdp_memory", "gpu", "init", "peer", "planner", "qat_vs_ptq", "qlora", "quant_memory",
+SLOW = {"cp_memory", "fsdp_memory", "gpu", "init", "muon", "peer", "planner", "qat_vs_ptq", "qlora", "quant_memory",
         "quant_quality", "quant_tp", "serve", "train"}
 # optional dependencies (the `test` extras have them all): without one, its benchmarks are skipped
 NEEDS = {"qat_vs_ptq": "torchao", "qlora": "torchao", "quant": "torchao", "quant_memory": "torchao",

@@ -160,8 +160,34 @@ class AdafactorConfig(OptimConfig):
     foreach: bool = True
 
 
+@dataclass
+class MuonConfig(OptimConfig):
+    """optim=muon (speedllm.train.muon): torch.optim.Muon's update on the hidden matrices with `lr` and
+    `weight_decay`, AdamW on embeddings, output, router, norms and biases with the `adamw_*` keys. The schedule
+    scales both peaks by the same factor (min_lr is the Muon group's floor; AdamW's is adamw_lr * min_lr / lr)."""
+
+    name: str = "muon"
+    _target_: str = "speedllm.train.muon.MuonAdamW"
+    lr: float = 0.02
+    min_lr: float = 0.002
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_coefficients: List[float] = field(default_factory=lambda: [3.4445, -4.7750, 2.0315])
+    ns_steps: int = 5
+    eps: float = 1e-7
+    adjust_lr_fn: Optional[str] = None  # null | original: sqrt(max(1, out/in)); match_rms_adamw: 0.2*sqrt(max(out, in))
+    # null: bfloat16 (torch's) on accelerators, float32 on CPUs (bf16 matmuls ~50x slower there)
+    ns_dtype: Optional[str] = None
+    adamw_lr: float = 3e-3
+    adamw_betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    adamw_eps: float = 1e-8
+    adamw_weight_decay: float = 0.1
+    fused: Optional[bool] = None  # the AdamW group's kernel, as optim=adamw's
+    foreach: Optional[bool] = None
+
+
 # optimizer schemas by name (each has a file conf/optim/<name>.yaml)
-OPTIMIZERS = {c.name: c for c in (AdamWConfig, SGDConfig, AdafactorConfig)}
+OPTIMIZERS = {c.name: c for c in (AdamWConfig, SGDConfig, AdafactorConfig, MuonConfig)}
 
 
 @dataclass

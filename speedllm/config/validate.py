@@ -18,6 +18,7 @@ from speedllm.ops import IMPLEMENTATIONS
 from speedllm.parallel.rules import (OFFLOAD, PP_SCHEDULES, divisors, inference_layout_errors, layout_errors,
                                      offload_errors, pipeline_batch_errors)
 from speedllm.quant import FLOAT8_RECIPES, QUANT_NAMES, TRAINING
+from speedllm.train.muon import ADJUST_LR_FNS, NS_DTYPES
 from speedllm.train.schedule import SCHEDULES
 
 CHOICES = {
@@ -30,6 +31,8 @@ CHOICES = {
     "parallel.offload": OFFLOAD,
     "train.recompute": ("none", "selective", "full"),
     "optim.schedule": SCHEDULES,
+    "optim.ns_dtype": tuple(NS_DTYPES),  # muon's keys: null (not set, or another optimizer) passes
+    "optim.adjust_lr_fn": ADJUST_LR_FNS,
     "data.format": ("pretrain", "alpaca", "sharegpt", "messages", "pairs"),
     "data.loss_on": ("all", "assistant", "last"),
     "data.overlong": ("truncate", "drop"),
@@ -78,6 +81,13 @@ VALUE_RULES = {
     "optim.warmup_steps": _at_least(0),
     "optim.decay_fraction": (_fraction, "in [0, 1]"),
     "optim.betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two values in [0, 1), like [0.9,0.95]"),
+    "optim.momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "optim.ns_steps": (lambda v: 1 <= v < 100, "in [1, 99]"),
+    "optim.ns_coefficients": (lambda v: len(v) == 3, "three values a,b,c like [3.4445,-4.775,2.0315]"),
+    "optim.adamw_lr": _above(0),
+    "optim.adamw_weight_decay": _at_least(0),
+    "optim.adamw_eps": _at_least(0),
+    "optim.adamw_betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two values in [0, 1), like [0.9,0.95]"),
     "checkpoint.every": _at_least(0),
     "launcher.nnodes": _at_least(1),
     "launcher.nproc_per_node": _at_least(0),
@@ -95,17 +105,14 @@ VALUE_RULES = {
 }
 
 
-def _get(cfg: DictConfig, dotted: str):
-    node = cfg
-    for part in dotted.split("."):
-        node = node[part]
-    return node
+# list values whose rule is on the whole list (a pair of betas), not on each entry (adafactor's eps pair)
+WHOLE_LISTS = ("optim.betas", "optim.adamw_betas", "optim.ns_coefficients")
 
 
 def check_choices(cfg: DictConfig) -> None:
     for key, allowed in CHOICES.items():
-        value = _get(cfg, key)
-        if value not in allowed:
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value not in allowed:
             raise UserError(f"{key}={value} is not one of {', '.join(allowed)}; pick one of them")
 
 
@@ -117,7 +124,7 @@ def check_values(cfg: DictConfig) -> None:
             continue
         listed = OmegaConf.is_list(value)
         # a rule holds for each entry of a list (adafactor's eps pair), except betas, which is one value
-        items = [list(value)] if key == "optim.betas" else [v for v in value if v is not None] if listed else [value]
+        items = [list(value)] if key in WHOLE_LISTS else [v for v in value if v is not None] if listed else [value]
         if not all(_finite(v) and ok(v) for v in items):
             raise UserError(f"{key}={list(value) if listed else value} must be {must_be}; set {key} to such a value")
     m, o, lc = cfg.model, cfg.optim, cfg.launcher

@@ -1,5 +1,5 @@
 """The optimizer of the `optim` config group over two parameter groups: decayed matrices, and undecayed
-norms / biases (/ embeddings).
+norms / biases (/ embeddings); optim=muon splits the matrices once more (muon_param_groups).
 
 conf/optim/<name>.yaml names a torch optimizer class (`_target_`) and its keyword arguments; Hydra instantiates
 it with `_partial_: true` and the code supplies the parameter groups.
@@ -16,6 +16,8 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from speedllm.errors import UserError
+from speedllm.models.moe import MoE
+from speedllm.models.qwen3 import Qwen3
 
 # fields of the optim group that belong to the learning-rate schedule or to us, not to the optimizer class
 NOT_OPTIMIZER_ARGS = ("name", "min_lr", "schedule", "warmup_steps", "decay_fraction", "decay_embeddings")
@@ -41,6 +43,32 @@ def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool) 
             decay.append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # no empty group (LoRA trains matrices only): checkpoints key group settings by parameter name
+    return _split_by_mesh([g for g in groups if g["params"]])
+
+
+def muon_param_groups(model: nn.Module, decay_embeddings: bool) -> list:
+    """optim=muon's groups (the standard Muon recipe): Muon for the hidden matrices -- attention and MLP
+    projections, and each expert's matrices of the stacked [E, out, in] experts -- and AdamW for the rest:
+    embeddings, the output projection, the MoE router, norms and biases. The embedding and output are lookups and
+    a classifier, not hidden transforms; the router's few rows are logits whose scale matters.
+    Weight decay as in param_groups: never on 1-D parameters, on embeddings only when asked."""
+    embedding_params = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    adamw_matrices = {id(m.gate.weight) for m in model.modules() if isinstance(m, MoE)}
+    for m in model.modules():
+        if isinstance(m, Qwen3) and m.lm_head is not None:  # a tie is an embedding (a last stage's own copy too)
+            (embedding_params if m.cfg.tie_word_embeddings else adamw_matrices).add(id(m.lm_head.weight))
+    muon, decay, no_decay = [], [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim < 2 or (id(p) in embedding_params and not decay_embeddings):
+            no_decay.append(p)
+        elif id(p) in embedding_params or id(p) in adamw_matrices:
+            decay.append(p)
+        else:
+            muon.append(p)
+    groups = [{"params": muon, "muon": True}, {"params": decay, "muon": False},
+              {"params": no_decay, "muon": False, "weight_decay": 0.0}]
     return _split_by_mesh([g for g in groups if g["params"]])
 
 
@@ -97,13 +125,20 @@ def fused_adamw(device_type: str) -> bool:
 def build_optimizer(model: nn.Module, optim) -> torch.optim.Optimizer:
     """The `optim` group's optimizer over `model`'s parameter groups (lr is the peak; the scheduler scales it).
 
-    `fused: null` lets the device decide between the fused and the foreach kernels (fused_adamw).
+    `fused: null` lets the device decide between the fused and the foreach kernels (fused_adamw); muon's
+    `ns_dtype: null` between torch's bfloat16 Newton-Schulz and float32 on CPUs (speedllm.train.muon).
     """
-    groups = param_groups(model, optim.weight_decay, optim.decay_embeddings)
+    if optim.name == "muon":
+        groups = muon_param_groups(model, optim.decay_embeddings)
+    else:
+        groups = param_groups(model, optim.weight_decay, optim.decay_embeddings)
     args = optimizer_args(optim)
+    device_type = next(model.parameters()).device.type
     if "fused" in args and args["fused"] is None:
-        args["fused"] = fused_adamw(next(model.parameters()).device.type)
+        args["fused"] = fused_adamw(device_type)
         args["foreach"] = not args["fused"]
+    if "ns_dtype" in args and args["ns_dtype"] is None:
+        args["ns_dtype"] = "float32" if device_type == "cpu" else "bfloat16"
     return instantiate({**args, "_convert_": "all"})(groups)
 
 
