@@ -46,6 +46,7 @@ def run_task(cfg, rt: Runtime) -> None:
 
 def _spawn(cfg: DictConfig, frozen: Path, nproc: int) -> None:
     """Run the frozen job as nproc local ranks (x nnodes) through torch's elastic launcher (torchrun's engine)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -66,6 +67,9 @@ def _spawn(cfg: DictConfig, frozen: Path, nproc: int) -> None:
         raise UserError(f"launcher.rdzv_endpoint={lc.rdzv_endpoint}: no rendezvous with {lc.nnodes} node(s) within "
                         f"launcher.rdzv_timeout={lc.rdzv_timeout}s ({one_line(e)}); start the same command on every "
                         "node with node 0's host:port, or raise launcher.rdzv_timeout") from None
+    except SignalException as e:  # SIGTERM/SIGINT to this process: the agent has stopped the ranks
+        print(f"error: stopped by signal {e.sigval}", file=sys.stderr)
+        raise SystemExit(128 + int(e.sigval)) from None
     except ChildFailedError as e:
         codes = sorted({f.exitcode for f in e.failures.values()})
         ranks = ", ".join(str(r) for r in sorted(e.failures))
