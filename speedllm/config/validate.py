@@ -512,6 +512,8 @@ def validate_values(cfg: DictConfig) -> None:
     check_values(cfg)
     check_dtype(cfg)
     check_model(cfg)
+    if cfg.task.inference:
+        check_inference(cfg)
 
 
 def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
@@ -523,8 +525,6 @@ def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
     check_batch(cfg)
     check_quant(cfg)
     check_finetune(cfg)
-    if cfg.task.inference:
-        check_inference(cfg)
     if cfg.task.name != "plan":
         check_world(cfg, world_size)
         check_paths(cfg)
