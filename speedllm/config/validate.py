@@ -375,6 +375,8 @@ def check_inference(cfg: DictConfig) -> None:
         (cfg.evaluate.steps >= 1, f"evaluate.steps={cfg.evaluate.steps} must be >= 1"),
         (cfg.evaluate.batch_size >= 1, f"evaluate.batch_size={cfg.evaluate.batch_size} must be >= 1"),
     ]
+    if cfg.task.name == "generate" and gen.prompt is None and gen.prompts_file is None:
+        rules.append((False, "task=generate needs generate.prompt=<text> or generate.prompts_file=<path>"))
     s = cfg.serve
     if cfg.task.name == "serve":
         rules += [
@@ -467,8 +469,6 @@ def check_paths(cfg: DictConfig) -> None:
             for suffix in (".bin", ".idx"):
                 _must_exist("data.path", f"{prefix}{suffix}", "give the prefix of a .bin/.idx pair "
                             "(e.g. made by task=preprocess)")
-    if task == "generate" and cfg.generate.prompt is None and cfg.generate.prompts_file is None:
-        raise UserError("task=generate needs generate.prompt=<text> or generate.prompts_file=<path>")
     if cfg.generate.prompts_file is not None and task == "generate":
         _must_exist("generate.prompts_file", cfg.generate.prompts_file, "one prompt per line, or jsonl")
     if task == "convert":
