@@ -1,6 +1,6 @@
 """Per-rank peak memory under FSDP2 over N ranks against (parameters + gradients + optimizer states)/N + activations.
 
-    python benchmarks/bench_fsdp_memory.py [--ranks 1 2 4] [--layers 8] [--hidden 512]
+    python -m benchmarks fsdp_memory [--ranks 1 2 4] [--layers 8] [--hidden 512] [--dry]
 
 Each N runs in its own gloo process group on this machine (CPU). Rank 0 builds the model through the training
 code path (speedllm.train.build.build_model: meta build, parallelize, materialize), runs two AdamW steps of one
@@ -10,26 +10,21 @@ activations measured in the single-process run: fp32 parameters (4 B), gradients
 moments (8 B) per parameter, divided by N.
 """
 
-import argparse
 import os
-import socket
-import sys
-from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from omegaconf import OmegaConf
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-MiB = 2**20
+from benchmarks.common import MiB, free_port, make_parser, parse
+from speedllm.config import compose_config
+from speedllm.models.qwen3 import Qwen3, num_params
+from speedllm.runtime import Runtime, init_runtime
+from speedllm.train.build import build_model
+from speedllm.train.optimizer import build_optimizer
 
 
 def config(args, ranks: int):
-    from omegaconf import OmegaConf
-
-    from speedllm.config import compose_config
-
     cfg = compose_config(
         "model=qwen3_tiny", f"model.hidden_size={args.hidden}", f"model.intermediate_size={3 * args.hidden}",
         f"model.num_hidden_layers={args.layers}", "model.num_attention_heads=8", "model.num_key_value_heads=4",
@@ -46,11 +41,6 @@ def worker(rank: int, ranks: int, port: int, args, results) -> None:
     torch.set_num_threads(max(1, 2 // ranks))
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
-
-    from speedllm.models.qwen3 import num_params
-    from speedllm.runtime import Runtime, init_runtime
-    from speedllm.train.build import build_model
-    from speedllm.train.optimizer import build_optimizer
 
     cfg = config(args, ranks)
     rt = init_runtime(cfg) if ranks > 1 else Runtime()
@@ -75,8 +65,6 @@ def worker(rank: int, ranks: int, port: int, args, results) -> None:
     per_device = next(iter(peak.values()))
     if rank == 0:
         with torch.device("meta"):
-            from speedllm.models.qwen3 import Qwen3
-
             params = num_params(Qwen3(cfg.model))
         results[ranks] = {"params": params, "total": per_device["Total"],
                           "parts": {str(k): v for k, v in per_device.items() if k != "Total" and v > 0}}
@@ -84,20 +72,14 @@ def worker(rank: int, ranks: int, port: int, args, results) -> None:
         torch.distributed.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> None:
+    parser = make_parser(__name__, __doc__)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=2)
-    args = parser.parse_args()
+    args = parse(parser, argv, ranks=[1, 2], layers=1, hidden=64, seq_len=32, batch=1)
     results = mp.Manager().dict()
     for ranks in args.ranks:
         mp.spawn(worker, args=(ranks, free_port(), args, results), nprocs=ranks)
@@ -112,7 +94,3 @@ def main() -> None:
         r = results[ranks]
         parts = ", ".join(f"{k.split('.')[-1].lower()} {v / MiB:.0f}" for k, v in sorted(r["parts"].items()))
         print(f"| {ranks} | {r['total'] / MiB:.0f} | {(states / ranks + activations) / MiB:.0f} | {parts} |")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,15 +1,14 @@
 """Peak host memory (RSS) of every rank of a from-scratch FSDP run: does rank 0 need more than the others?
 
-    python benchmarks/bench_init.py [--code DIR] [launch.py overrides ...]
+    python -m benchmarks init [--code DIR] [--dry] [launch.py overrides ...]
 
 Runs `python launch.py` of the code in DIR (default: this checkout; point it at an extracted older commit to
 compare) and, from outside, samples the peak RSS (VmHWM in /proc/<pid>/status) of every worker it starts,
 naming each by the RANK in its environment. The default overrides are the issue's case: qwen3_0.6b at the
 demo tokenizer's 8192-entry vocabulary (with that tokenizer), FSDP over 8 ranks, SGD without momentum
-(state = weights + gradients), one step at train.seq_len=32.
+(state = weights + gradients), one step at train.seq_len=32. --dry: qwen3_tiny over 2 ranks.
 """
 
-import argparse
 import os
 import subprocess
 import sys
@@ -17,11 +16,13 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import REPO, make_parser, parse, proc_status_kib
+
 CASE = ["model=qwen3_0.6b", "model.vocab_size=8192", "model.tokenizer=${asset:tokenizers/demo}", "parallel=fsdp8",
         "optim=sgd", "hardware=cpu", "train.steps=1", "train.seq_len=32", "train.micro_batch_size=1",
         "train.global_batch_size=8", "train.eval_every=0", "checkpoint.save_final=false", "generate.num_samples=0",
         "logging.progress_bar=false", "logging.tensorboard=false"]
+DRY = ["model=qwen3_tiny", "parallel=fsdp2", "train.global_batch_size=2"]
 
 
 def descendants(pid: int) -> list:
@@ -34,17 +35,17 @@ def rank_and_peak(pid: int):
     """(RANK from the environment or None, VmHWM in MiB) of a live process, or None if it is gone."""
     try:
         env = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
-        status = Path(f"/proc/{pid}/status").read_text()
+        return env.get("RANK"), proc_status_kib("VmHWM", pid) / 1024
     except OSError:
         return None
-    hwm = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM"))
-    return env.get("RANK"), hwm / 1024
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--code", type=Path, default=ROOT, help="checkout whose launch.py runs")
-    args, overrides = parser.parse_known_args()
+def main(argv=None) -> None:
+    parser = make_parser(__name__, __doc__)
+    parser.add_argument("--code", type=Path, default=REPO, help="checkout whose launch.py runs")
+    parser.add_argument("overrides", nargs="*", help="launch.py overrides after the default case")
+    args = parse(parser, argv)
+    overrides = (DRY if args.dry else []) + args.overrides
     run_dir = Path(tempfile.mkdtemp(prefix="bench_init_"))
     env = {**os.environ, "PYTHONPATH": str(args.code.resolve())}
     start = time.perf_counter()
@@ -70,7 +71,3 @@ def main() -> None:
     others = [peaks[r] for r in ranks if r != "0"]
     print(f"rank 0 / max(other ranks) = {peaks['0'] / max(others):.2f}   rank 0 / mean(other ranks) = "
           f"{peaks['0'] / (sum(others) / len(others)):.2f}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Forward+backward speed and peak memory: our Qwen3 vs transformers' Qwen3ForCausalLM, same config and batch.
 
-    python benchmarks/bench_model.py [--steps 5] [--loss-chunk-size 1024] [--ops reference] [--configs qwen3_vocab]
+    python -m benchmarks model [--steps 5] [--loss-chunk-size 1024] [--ops reference] [--configs qwen3_vocab] [--dry]
 
 Two ~40M-parameter configs, batch 4 x 256, fp32, tied embeddings:
   qwen3_vocab  the real Qwen3 vocabulary (151,936) on qwen3_tiny's layers (4 x 256 hidden): 42.0M parameters,
@@ -11,39 +11,20 @@ processes hits both alike; the fastest step of each (least disturbed by other pr
 tokens/s, and the matmul FLOP rate it implies (train.metrics.flops_per_token) next to this machine's fp32
 GEMM rate, measured here on a square 2048 matmul: the ceiling no exact fp32 implementation can pass.
 Memory: one forward+backward per model in a fresh subprocess, reporting its peak RSS (VmHWM), which
-includes the ~0.3 GB of the Python/torch runtime.
+includes the ~0.3 GB of the Python/torch runtime. --dry: one step of the `tiny` config.
 """
 
 import argparse
 import json
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
+from benchmarks.common import BATCH, SEQ, batch, in_fresh_process, interleaved, make_parser, model_cfg, parse, timed
 from speedllm.models import Qwen3
-from speedllm.models.config import ModelConfig
 from speedllm.models.hf_adapter import from_hf_state_dict, hf_config
 from speedllm.train.metrics import flops_per_token, peak_memory_gb
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_train import DIMS  # noqa: E402  qwen3_tiny's layers
-
-BATCH, SEQ = 4, 256
-CONFIGS = {
-    "qwen3_vocab": dict(vocab_size=151936, **DIMS),
-    "vocab_32k": dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                      num_attention_heads=8, num_key_value_heads=4, head_dim=64),
-}
-
-
-def model_cfg(name: str):
-    return OmegaConf.merge(OmegaConf.structured(ModelConfig),
-                           dict(name=name, tie_word_embeddings=True, max_position_embeddings=4096,
-                                **CONFIGS[name]))
+DEFAULT_CONFIGS = ["qwen3_vocab", "vocab_32k"]
 
 
 def build(which: str, config: str, ops: str, loss_chunk_size: int, copy_weights: bool = True):
@@ -57,9 +38,10 @@ def build(which: str, config: str, ops: str, loss_chunk_size: int, copy_weights:
     cfg = model_cfg(config)
     torch.manual_seed(0)
     hf = Qwen3ForCausalLM(hf_config(cfg)).train() if which == "transformers" or copy_weights else None
-    tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    tokens, labels = batch(cfg.vocab_size)
     if which == "transformers":
         def hf_step():
+            hf.zero_grad(set_to_none=True)
             hf(tokens, labels=tokens).loss.backward()
         return hf, hf_step
     ours = Qwen3(cfg, ops=ops).train()
@@ -69,10 +51,10 @@ def build(which: str, config: str, ops: str, loss_chunk_size: int, copy_weights:
     else:
         ours.init_weights(seed=0)
     ours.loss_chunk_size = loss_chunk_size
-    labels = torch.cat([tokens[:, 1:], torch.full((BATCH, 1), -100)], dim=1)
     num_labels = (labels != -100).sum()
 
     def step():
+        ours.zero_grad(set_to_none=True)
         ce_sum, aux = ours(tokens, labels=labels)
         (ce_sum / num_labels + aux).backward()
     return ours, step
@@ -88,45 +70,32 @@ def peak_memory(which: str, config: str, ops: str, loss_chunk_size: int) -> None
 def gemm_gflops(n: int = 2048, repeats: int = 5) -> float:
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b
-    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    best = min(timed(lambda: a @ b)[0] for _ in range(repeats))
     return 2 * n**3 / best / 1e9
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def bench(config: str, args) -> dict:
     runs = {name: build(name, config, args.ops, args.loss_chunk_size) for name in ("ours", "transformers")}
-    times = {name: [] for name in runs}
-    for i in range(args.steps + 1):  # the first step warms up and is not timed
-        for name, (model, step) in runs.items():
-            model.zero_grad(set_to_none=True)
-            elapsed = _timed(step)
-            if i:
-                times[name].append(elapsed)
+    # the first step warms up and is not timed
+    times, _ = interleaved({name: step for name, (_, step) in runs.items()}, args.steps, warmup=1)
     row = {"params": sum(p.numel() for p in runs["transformers"][0].parameters()),
            "flops_per_token": flops_per_token(model_cfg(config), SEQ)}
     del runs
     for name in times:
-        cmd = [sys.executable, __file__, "--memory-child", name, "--configs", config, "--ops", args.ops,
-               "--loss-chunk-size", str(args.loss_chunk_size)]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        row[name] = {"tokens_per_s": BATCH * SEQ / min(times[name]),
-                     "peak_rss_gb": json.loads(out.strip().splitlines()[-1])["peak_rss_gb"]}
+        child = in_fresh_process(__name__, "--memory-child", name, "--configs", config, "--ops", args.ops,
+                          "--loss-chunk-size", args.loss_chunk_size)
+        row[name] = {"tokens_per_s": BATCH * SEQ / min(times[name]), "peak_rss_gb": child["peak_rss_gb"]}
     return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> None:
+    parser = make_parser(__name__, __doc__)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--ops", default="reference")
     parser.add_argument("--loss-chunk-size", type=int, default=1024)
-    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", choices=[*DEFAULT_CONFIGS, "tiny"], default=DEFAULT_CONFIGS)
     parser.add_argument("--memory-child", choices=["ours", "transformers"], help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse(parser, argv, steps=1, configs=["tiny"])
     if args.memory_child:
         peak_memory(args.memory_child, args.configs[0], args.ops, args.loss_chunk_size)
         return
@@ -144,7 +113,3 @@ def main() -> None:
         ours, hf = row["ours"], row["transformers"]
         print(f"{config:13} ours/transformers: tokens/s x{ours['tokens_per_s'] / hf['tokens_per_s']:.2f} "
               f"(target >= 1.2), peak memory x{ours['peak_rss_gb'] / hf['peak_rss_gb']:.2f} (target <= 0.8)")
-
-
-if __name__ == "__main__":
-    main()

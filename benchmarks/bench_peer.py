@@ -1,9 +1,15 @@
 """Training step and decode speed against the strongest peers: ours vs torchtitan vs transformers, side by side.
 
-    python benchmarks/bench_peer.py [--steps 7] [--configs vocab_32k qwen3_vocab] [--decode] [--compile]
+    python -m benchmarks peer [--steps 7] [--configs vocab_32k qwen3_vocab moe_60m] [--decode] [--compile] [--dry]
 
-The same ~42M-parameter Qwen3 (bench_model's two configs: `vocab_32k`, 8 layers x 512 at vocab 32,000, and
+The same ~42M-parameter Qwen3 (benchmarks/common.py's two configs: `vocab_32k`, 8 layers x 512 at vocab 32,000, and
 `qwen3_vocab`, qwen3_tiny's layers at the real 151,936 vocabulary), batch 4 x 256, fp32, tied embeddings.
+`moe_60m` is a 60.5M-parameter Qwen3-MoE (vocab_32k's attention, every layer 8 experts of 384, top-2,
+normalized top-k weights; 32M parameters activated per token): transformers' Qwen3MoeForCausalLM against
+torchtitan's Qwen3 MoE layers (`_build_qwen3_moe_layers`: its router and grouped experts on torch._grouped_mm;
+no load-balancing bias, and its experts' casts to bf16 taken out: common._grouped_experts_fp32) and ours, which
+also computes its load-balancing loss (router_aux_loss_coef 0.001); transformers' as it ships has none
+(output_router_logits=False).
 transformers' random weights are loaded into all systems, and their logits are checked equal before any
 timing. A training step is forward + backward + gradient clipping + AdamW, each system as it ships:
   ours                   speedllm's Qwen3 with its defaults (loss path, optimizer and clipping of `task=pretrain`,
@@ -22,31 +28,26 @@ a fresh process, which reports its peak RSS (VmHWM, including ~0.3 GB of Python/
 --compile: the step again with torch.compile on the decoder layers (ours: `train.compile`; torchtitan: its
 per-block compile), with the start-up beside the compiled speed: the wall time of the first compiled step of
 each system alone in a fresh process with an empty compile cache.
+--dry: one step and a short decode of the `tiny` config.
 """
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
-from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_model import BATCH, CONFIGS, SEQ, model_cfg  # noqa: E402
-
-from speedllm.config.schema import AdamWConfig  # noqa: E402
-from speedllm.models import Qwen3  # noqa: E402
-from speedllm.models.hf_adapter import from_hf_state_dict, hf_config  # noqa: E402
-from speedllm.parallel import ParallelModel, clip_grad_norm  # noqa: E402
-from speedllm.paths import CONF  # noqa: E402
-from speedllm.train.metrics import peak_memory_gb  # noqa: E402
-from speedllm.train.optimizer import build_optimizer  # noqa: E402
+from benchmarks.common import (BATCH, CLOCKS, CONFIGS, SEQ, batch, decode_speed, have_torchtitan, in_fresh_process,
+                               interleaved, make_parser, model_cfg, parse, timed, torchtitan_model)
+from speedllm.config.schema import AdamWConfig
+from speedllm.models import Qwen3
+from speedllm.models.hf_adapter import from_hf_state_dict, hf_config
+from speedllm.parallel import ParallelModel, clip_grad_norm
+from speedllm.paths import CONF
+from speedllm.train.metrics import peak_memory_gb
+from speedllm.train.optimizer import build_optimizer
 
 SYSTEMS = ("ours", "torchtitan", "torchtitan_chunked", "transformers", "ours_reference")
 OPS = OmegaConf.load(CONF / "hardware" / "cpu.yaml").ops  # ours runs the op set `hardware=cpu` runs
@@ -54,49 +55,12 @@ GRAD_CLIP = 1.0
 OPTIM = OmegaConf.structured(AdamWConfig)  # our defaults; the peers get the same lr, betas, eps, decay
 
 
-def have_torchtitan() -> bool:
-    try:
-        import torchtitan.models.qwen3  # noqa: F401
-    except ImportError as err:
-        print(f"torchtitan skipped: {err} (pip install -e '.[bench]')")
-        return False
-    return True
-
-
-def batch(vocab_size: int):
-    tokens = torch.randint(0, vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    labels = torch.cat([tokens[:, 1:], torch.full((BATCH, 1), -100)], dim=1)
-    return tokens, labels
-
-
 def hf_model(config: str):
-    from transformers import Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
+    cfg = model_cfg(config)
     torch.manual_seed(0)
-    return Qwen3ForCausalLM(hf_config(model_cfg(config)))
-
-
-def torchtitan_model(cfg, hf_sd: dict, max_seq_len: int):
-    """torchtitan's Qwen3 for our model config `cfg` (its shipped layer builder; SDPA attention, which its
-    language models otherwise reserve for other uses), holding the weights of the HF state dict `hf_sd`.
-    Built on the current default device."""
-    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.qwen3 import Qwen3Model, Qwen3StateDictAdapter, _build_qwen3_layers, _qwen3_norm
-
-    layers = _build_qwen3_layers(
-        n_layers=cfg.num_hidden_layers, dim=cfg.hidden_size, n_heads=cfg.num_attention_heads,
-        n_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, hidden_dim=cfg.intermediate_size,
-        attn_backend="flex", rope=CosSinRoPE.Config(dim=cfg.head_dim, max_seq_len=max_seq_len, theta=cfg.rope_theta))
-    for layer in layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    config_tt = Qwen3Model.Config(
-        vocab_size=cfg.vocab_size, dim=cfg.hidden_size, norm=_qwen3_norm(cfg.hidden_size), enable_weight_tying=True,
-        tok_embeddings=Embedding.Config(num_embeddings=cfg.vocab_size, embedding_dim=cfg.hidden_size),
-        lm_head=Linear.Config(in_features=cfg.hidden_size, out_features=cfg.vocab_size), layers=layers)
-    model = config_tt.build()
-    model.load_state_dict(Qwen3StateDictAdapter(config_tt, None).from_hf(dict(hf_sd)))
-    return model
+    return (Qwen3MoeForCausalLM if cfg.num_experts else Qwen3ForCausalLM)(hf_config(cfg))
 
 
 def build(name: str, config: str, hf=None):
@@ -178,15 +142,6 @@ def check_logits(models: dict, vocab_size: int) -> float:
     return worst
 
 
-CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
-
-
-def timed(fn, clock=time.perf_counter) -> float:
-    start = clock()
-    fn()
-    return clock() - start
-
-
 def compile_layers(name: str, model) -> None:
     """What each system's own compile switch does: ours and torchtitan compile each decoder layer."""
     if name == "transformers":
@@ -204,12 +159,8 @@ def bench_training(config: str, systems, steps: int, compile_: bool, clock) -> d
         for name, (model, step) in runs.items():
             compile_layers(name, model)
             step()  # compiles; the start-up is timed in a fresh process (child)
-    times = {name: [] for name in runs}
-    for i in range(steps + 1):  # the first round warms up and is not timed
-        for name, (_, step) in runs.items():
-            elapsed = timed(step, clock)
-            if i:
-                times[name].append(elapsed)
+    # the first round warms up and is not timed
+    times, _ = interleaved({name: step for name, (_, step) in runs.items()}, steps, clock, warmup=1)
     del runs, hf
     result = {"max_logit_diff": max_diff, "systems": {}}
     for name, t in times.items():
@@ -233,11 +184,9 @@ def profile(config: str, systems, rows: int) -> None:
 def child(name: str, config: str, compile_: bool) -> dict:
     """One system alone in a fresh process with an empty compile cache (run_child): {"peak_rss_gb"}, or with
     compile_ {"compile_s"}."""
-    cmd = [sys.executable, __file__, "--child", name, "--configs", config] + ["--compile"] * compile_
     with tempfile.TemporaryDirectory() as cache:
-        env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache}
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
-    return json.loads(out.strip().splitlines()[-1])
+        return in_fresh_process(__name__, "--child", name, "--configs", config, *["--compile"] * compile_,
+                         env={"TORCHINDUCTOR_CACHE_DIR": cache})
 
 
 def run_child(name: str, config: str, compile_: bool) -> None:
@@ -246,7 +195,7 @@ def run_child(name: str, config: str, compile_: bool) -> None:
     model, step = build(name, config)
     if compile_:
         compile_layers(name, model)
-        print(json.dumps({"compile_s": timed(step)}))
+        print(json.dumps({"compile_s": timed(step)[0]}))
         return
     step()
     step()
@@ -274,38 +223,10 @@ def print_training(config: str, result: dict, compile_: bool) -> None:
         print(line)
 
 
-def decode_speed(ours, hf, prompt, new_tokens: int, repeats: int, dtype, clock=time.perf_counter) -> tuple:
-    """Greedy decode tokens/s of our engine and of transformers' static-cache `generate` on the same weights,
-    alternating; each the median over `repeats`, the prefill (a 1-token generation) subtracted out.
-    Returns ({"ours": tokens/s, "transformers": tokens/s}, whether both generated the same ids)."""
-    from speedllm.generation.engine import generate_ids
-    from speedllm.generation.sampling import Sampling
-
-    def run_hf(n):
-        with torch.inference_mode():
-            out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
-                              do_sample=False, pad_token_id=0, eos_token_id=None, cache_implementation="static")
-        return out[:, prompt.shape[1]:].tolist()
-
-    def run_ours(n):
-        return generate_ids(ours, prompt.tolist(), n, Sampling(), [], 0, dtype)
-
-    runners = {"transformers": run_hf, "ours": run_ours}
-    ids = {name: fn(new_tokens) for name, fn in runners.items()}  # warm-up (static cache, kernels)
-    times = {name: ([], []) for name in runners}
-    for _ in range(repeats):
-        for name, fn in runners.items():
-            times[name][0].append(timed(lambda: fn(new_tokens), clock))
-            times[name][1].append(timed(lambda: fn(1), clock))
-    speed = {name: prompt.shape[0] * (new_tokens - 1) / (statistics.median(full) - statistics.median(first))
-             for name, (full, first) in times.items()}
-    return speed, ids["ours"] == ids["transformers"]
-
-
-def bench_decode(new_tokens: int, repeats: int, clock) -> list:
-    """Decode at batch 1 and 8 on the vocab_32k model, fp32: [(batch, tokens/s by system, same ids)]."""
-    cfg = model_cfg("vocab_32k")
-    hf = hf_model("vocab_32k").eval()
+def bench_decode(config: str, new_tokens: int, repeats: int, clock) -> list:
+    """Decode at batch 1 and 8 on the `config` model, fp32: [(batch, tokens/s by system, same ids)]."""
+    cfg = model_cfg(config)
+    hf = hf_model(config).eval()
     ours = Qwen3(cfg, ops=OPS).eval()
     ours.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg))
     gen = torch.Generator().manual_seed(1)
@@ -316,8 +237,8 @@ def bench_decode(new_tokens: int, repeats: int, clock) -> list:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> None:
+    parser = make_parser(__name__, __doc__)
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=["vocab_32k", "qwen3_vocab"])
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS[:-1]))
@@ -325,11 +246,11 @@ def main() -> None:
     parser.add_argument("--decode", action="store_true", help="also time greedy decoding against transformers")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--clock", choices=list(CLOCK), default="wall",
+    parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
                         help="cpu: this process's CPU time (use with --threads 1 on a machine shared with other jobs)")
     parser.add_argument("--profile", type=int, metavar="ROWS", help="print a profiler table per system instead")
     parser.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse(parser, argv, steps=1, configs=["tiny"], decode=True, new_tokens=4)
     if args.child:
         run_child(args.child, args.configs[0], args.compile)
         return
@@ -339,7 +260,7 @@ def main() -> None:
     systems = [s for s in args.systems if titan or not s.startswith("torchtitan")]
     with open("/proc/loadavg") as f:
         print(f"load average at start: {f.read().split()[0]} on {torch.get_num_threads()} threads")
-    clock = CLOCK[args.clock]
+    clock = CLOCKS[args.clock]
     for config in args.configs:
         if args.profile:
             profile(config, systems, args.profile)
@@ -348,14 +269,11 @@ def main() -> None:
         if args.compile:
             print_training(config, bench_training(config, systems, args.steps, True, clock), True)
     if args.decode:
-        print(f"\ndecode (vocab_32k, fp32, greedy, {args.new_tokens} new tokens, median of 3, prefill subtracted)")
+        config = "tiny" if args.dry else "vocab_32k"
+        print(f"\ndecode ({config}, fp32, greedy, {args.new_tokens} new tokens, median of 3, prefill subtracted)")
         print("| batch | transformers static cache tokens/s | ours tokens/s | ratio | same ids |\n|---|---|---|---|---|")
-        for batch_size, decode, same in bench_decode(args.new_tokens, 3, clock):
+        for batch_size, decode, same in bench_decode(config, args.new_tokens, 3, clock):
             print(f"| {batch_size} | {decode['transformers']:.1f} | {decode['ours']:.1f} | "
                   f"x{decode['ours'] / decode['transformers']:.2f} | {same} |")
     with open("/proc/loadavg") as f:
         print(f"load average at end: {f.read().split()[0]}")
-
-
-if __name__ == "__main__":
-    main()

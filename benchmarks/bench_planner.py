@@ -2,27 +2,22 @@
 choice, their MoE layouts built rank by rank (task=dryrun) beside the planner's bytes, and predicted against
 measured memory of the tiny models on this CPU.
 
-    python benchmarks/bench_planner.py            # all tables (the measured one spawns 2-rank CPU runs)
-    python benchmarks/bench_planner.py --no-measure
+    python -m benchmarks planner            # all tables (the measured one spawns 2-rank CPU runs)
+    python -m benchmarks planner --no-measure
+    python -m benchmarks planner --dry      # the first row of each table
 """
 
-import argparse
-import sys
-import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from speedllm.config import compose_config  # noqa: E402
-from speedllm.config.schema import typed  # noqa: E402
-from speedllm.hardware import load_profile  # noqa: E402
-from speedllm.planner.layout import layout_from_config  # noqa: E402
-from speedllm.planner.measure import measure_layout, measure_training_step  # noqa: E402
-from speedllm.planner.memory import GIB, rank_params  # noqa: E402
-from speedllm.planner.mindspeed import PUBLISHED, published_estimate  # noqa: E402
-from speedllm.planner.search import Planner, Problem, problem_from_config  # noqa: E402
-from speedllm.tasks.dryrun import build_rank, sample_ranks  # noqa: E402
+from benchmarks.common import make_parser, measured_step, parse
+from speedllm.config import compose_config
+from speedllm.config.schema import typed
+from speedllm.hardware import load_profile
+from speedllm.planner.layout import layout_from_config
+from speedllm.planner.memory import GIB, rank_params
+from speedllm.planner.mindspeed import PUBLISHED, published_estimate
+from speedllm.planner.search import Planner, Problem, problem_from_config
+from speedllm.tasks.dryrun import build_rank, sample_ranks
 
 MEASURED = [("qwen3_tiny", "single", 1), ("qwen3_tiny", "fsdp2", 2), ("qwen3_moe_tiny", "fsdp2", 2),
             ("qwen3_tiny", "tp2", 2), ("qwen3_tiny", "pp2", 2)]
@@ -30,11 +25,11 @@ COMMON = ["hardware=cpu", "train.seq_len=128", "train.micro_batch_size=2", "trai
           "train.loss_chunk_size=256"]
 
 
-def mindspeed_table() -> None:
+def mindspeed_table(rows: int = None) -> None:
     print("| model | devices | MindSpeed layout (recompute) | GiB/dev | est. tokens/s | planner's choice | GiB/dev | "
           "est. tokens/s | search s |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for name, world, hw_name, degrees, micro, global_batch, recompute in PUBLISHED:
+    for name, world, hw_name, degrees, micro, global_batch, recompute in PUBLISHED[:rows]:
         start = time.perf_counter()
         planner = Planner(Problem(compose_config(f"model={name}").model, load_profile(hw_name), world, 4096, global_batch))
         theirs = published_estimate(planner, world, degrees, micro, recompute)
@@ -55,11 +50,11 @@ BUILT = [("qwen3_30b_a3b", "pp2_ep8", 16, []),
          ("qwen3_235b_a22b", "ep2", 256, ["parallel.ep=8"])]
 
 
-def dryrun_table() -> None:
+def dryrun_table(rows: int = None) -> None:
     print("| model | layout | ranks | built ranks (task=dryrun) | params GiB | grads GiB | optimizer GiB | "
           "= planner's bytes | build s |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for model, parallel, world, overrides in BUILT:
+    for model, parallel, world, overrides in BUILT[:rows]:
         cfg = compose_config("task=dryrun", "hardware=npu_a2", f"model={model}", f"parallel={parallel}", *overrides)
         cfg.parallel.dp = world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
         cfg.launcher.nproc_per_node, cfg.run_dir = world, "unused"
@@ -75,21 +70,14 @@ def dryrun_table() -> None:
               f"{equal} of {len(reports)} ranks | {seconds:.1f} |")
 
 
-def measured_table() -> None:
+def measured_table(rows: int = None) -> None:
     print("| model | layout | rank | params held (= predicted) | measured peak MiB | predicted MiB | ratio |")
     print("|---|---|---|---|---|---|---|")
-    for model, parallel, world in MEASURED:
+    for model, parallel, world in MEASURED[:rows]:
         overrides = [f"model={model}", f"parallel={parallel}", *COMMON]
         cfg = compose_config(*overrides)
         cfg.parallel.dp = world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
-        with tempfile.TemporaryDirectory() as out:
-            if world == 1:
-                from speedllm.runtime import Runtime
-
-                cfg.run_dir = out
-                records = [measure_training_step(cfg, Runtime())]
-            else:
-                records = measure_layout(cfg, world, out)
+        records = measured_step(cfg, world)
         planner = Planner(problem_from_config(cfg, world))
         layout = layout_from_config(cfg.parallel, cfg.train)
         memories = planner.rank_memories(layout, cfg.parallel.pp_layers)
@@ -102,13 +90,14 @@ def measured_table() -> None:
                   f"{mem.total / 2**20:.1f} | {mem.total / rec['peak']:.3f} |")
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--no-measure", action="store_true", help="only the MindSpeed table")
-    args = parser.parse_args()
-    mindspeed_table()
+def main(argv=None) -> None:
+    parser = make_parser(__name__, __doc__)
+    parser.add_argument("--no-measure", action="store_true", help="without the measured table")
+    args = parse(parser, argv)
+    rows = 1 if args.dry else None
+    mindspeed_table(rows)
     print()
-    dryrun_table()
+    dryrun_table(rows)
     if not args.no_measure:
         print()
-        measured_table()
+        measured_table(rows)

@@ -1,35 +1,28 @@
 """Quantized decode under tensor parallelism: parallel.tp=2 vs tp=1 at the same precision, batch 1.
 
-    python benchmarks/bench_quant_tp.py [--quants none int8_wo int4_wo] [--new-tokens 16] [--repeats 5]
+    python -m benchmarks quant_tp [--quants none int8_wo int4_wo] [--new-tokens 16] [--repeats 5] [--dry]
 
-bench_generate's ~40M Qwen3 with random weights, saved once as an HF directory and loaded by the inference
+`generate`'s ~40M Qwen3 with random weights, saved once as an HF directory and loaded by the inference
 path (speedllm.generation.load.load_model: under tp=2 each rank quantizes its own shards). Two gloo ranks with one
 thread each: in every repeat rank 0 first decodes alone at tp=1 (rank 1 waits), then both decode at tp=2, so
 load from other processes hits both alike. Decode tokens/s = (N - 1) / (wall time of N new tokens - of 1), the
-median over --repeats (wall time: a tp=2 step includes its all-reduces).
+median over --repeats (wall time: a tp=2 step includes its all-reduces). --dry: the `tiny` config, fp32.
 """
 
-import argparse
 import os
-import socket
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from omegaconf import OmegaConf
 
+from benchmarks.common import free_port, make_parser, model_cfg, ours_greedy, parse, timed
 from speedllm.config import compose_config
-from speedllm.generation.engine import generate_ids
-from speedllm.generation.sampling import Sampling
 from speedllm.runtime import Runtime
 
-MODEL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-             num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True)
-PROMPT = [list(range(100, 116))]
+PROMPT_BS = torch.arange(100, 116)[None]
 
 
 def load(root: Path, quant: str, tp: int):
@@ -44,9 +37,7 @@ def load(root: Path, quant: str, tp: int):
 
 
 def seconds(model, new_tokens: int, tp: int) -> float:
-    start = time.perf_counter()
-    generate_ids(model, PROMPT, new_tokens, Sampling(), [], 0, torch.float32, tp=tp)
-    return time.perf_counter() - start
+    return timed(lambda: ours_greedy(model, tp=tp)(PROMPT_BS, new_tokens))[0]
 
 
 def _rank(rank: int, port: int, root: Path, args) -> None:
@@ -71,26 +62,17 @@ def _rank(rank: int, port: int, root: Path, args) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None) -> None:
+    parser = make_parser(__name__, __doc__)
     parser.add_argument("--quants", nargs="+", default=["none", "int8_wo", "int4_wo"])
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    args = parse(parser, argv, quants=["none"], new_tokens=2, repeats=1)
     from transformers import Qwen3ForCausalLM
 
-    from speedllm.models.config import ModelConfig
     from speedllm.models.hf_adapter import hf_config
 
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
-        cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), dict(name="bench_40m", **MODEL))
-        Qwen3ForCausalLM(hf_config(cfg)).save_pretrained(tmp)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(_rank, args=(port, Path(tmp), args), nprocs=2)
-
-
-if __name__ == "__main__":
-    main()
+        Qwen3ForCausalLM(hf_config(model_cfg("tiny" if args.dry else "vocab_32k"))).save_pretrained(tmp)
+        mp.spawn(_rank, args=(free_port(), Path(tmp), args), nprocs=2)

@@ -1,15 +1,15 @@
 """Serving throughput: 16 concurrent clients vs the same 16 requests one after another, on task=serve with the
-~40M-parameter Qwen3 of bench_generate.py, beside transformers' `generate` one by one and batched.
+~40M-parameter Qwen3 of benchmark `generate`, beside transformers' `generate` one by one and batched.
 
-    python benchmarks/bench_serve.py [--clients 16] [--new-tokens 64] [--repeats 2]
+    python -m benchmarks serve [--clients 16] [--new-tokens 64] [--repeats 1] [--port 18123] [--dry]
 
 The server runs in a subprocess (serve.max_batch = clients); requests are greedy /v1/completions with
 token-id prompts of equal length, so transformers gets the very same inputs without padding. The modes
 alternate (so load from other processes hits all alike) and each figure is the median over --repeats of
 generated tokens / wall seconds. The concurrent answers are checked against the one-by-one answers.
+--port 0: a free port. --dry: 2 clients, the `tiny` config.
 """
 
-import argparse
 import shutil
 import statistics
 import subprocess
@@ -22,16 +22,16 @@ from pathlib import Path
 import httpx
 import openai
 import torch
-from bench_generate import model_cfg
 
-from speedllm.paths import ASSETS, ROOT
+from benchmarks.common import REPO, free_port, hf_greedy, interleaved, make_parser, model_cfg, parse
 from speedllm.models.hf_adapter import hf_config
+from speedllm.paths import ASSETS
 
 PROMPT_LEN = 16
 
 
 def start_server(hf_dir: Path, port: int, clients: int, run_dir: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "task=serve", "model=hf", "hardware=cpu",
+    proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), "task=serve", "model=hf", "hardware=cpu",
                              f"checkpoint.load_hf={hf_dir}", f"serve.port={port}", f"serve.max_batch={clients}",
                              "serve.max_len=256", "serve.model_name=bench", f"hydra.run.dir={run_dir}"])
     deadline = time.time() + 300
@@ -46,16 +46,17 @@ def start_server(hf_dir: Path, port: int, clients: int, run_dir: Path) -> subpro
     raise SystemExit("the server did not come up")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> None:
+    parser = make_parser(__name__, __doc__)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--port", type=int, default=18123)
-    args = parser.parse_args()
+    args = parse(parser, argv, clients=2, new_tokens=4, port=0)
+    port = args.port or free_port()
     from transformers import Qwen3ForCausalLM
 
-    cfg = model_cfg()
+    cfg = model_cfg("tiny", vocab_size=8192) if args.dry else model_cfg("vocab_32k")  # >= the demo tokenizer's
     torch.manual_seed(0)
     hf = Qwen3ForCausalLM(hf_config(cfg)).eval()
     gen = torch.Generator().manual_seed(1)
@@ -68,8 +69,8 @@ def main() -> None:
         hf.save_pretrained(hf_dir)
         for f in (ASSETS / "tokenizers" / "demo").iterdir():
             shutil.copy(f, hf_dir)
-        proc = start_server(hf_dir, args.port, args.clients, Path(tmp) / "run")
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="unused", max_retries=0,
+        proc = start_server(hf_dir, port, args.clients, Path(tmp) / "run")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
                                timeout=600)
 
         def ask(prompt):
@@ -85,11 +86,7 @@ def main() -> None:
                 return list(pool.map(ask, prompts.tolist()))
 
         def hf_generate(batch):
-            with torch.inference_mode():
-                out = hf.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=args.new_tokens,
-                                  min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0,
-                                  eos_token_id=None)
-            return out.shape[0] * (out.shape[1] - PROMPT_LEN)
+            return sum(map(len, hf_greedy(hf)(batch, args.new_tokens)))
 
         def serve_tokens(answers):
             runs.append([text for text, _ in answers])
@@ -104,13 +101,8 @@ def main() -> None:
         }
         try:
             ask(prompts[0].tolist())  # warm-up
-            rates = {name: [] for name in modes}
-            for _ in range(args.repeats):
-                for name, run in modes.items():
-                    start = time.perf_counter()
-                    tokens = run()
-                    rates[name].append(tokens / (time.perf_counter() - start))
-                    print(f"  {name}: {rates[name][-1]:.1f} tokens/s", flush=True)
+            times, tokens = interleaved(modes, args.repeats)
+            rates = {name: [tokens[name] / t for t in times[name]] for name in modes}
             assert all(answers == runs[0] for answers in runs), "concurrent answers differ from one-by-one answers"
         finally:
             proc.terminate()
@@ -121,7 +113,3 @@ def main() -> None:
         rate = statistics.median(values)
         print(f"{name:<48} {rate:>9.1f} {rate / base:>9.2f}")
     print("concurrent answers = one-by-one answers: yes")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Packed-sequence training step: varlen attention (per document) against the [S, S] document mask.
 
-    python benchmarks/bench_varlen.py [--seq-len 4096] [--doc-len 256] [--repeats 3]
+    python -m benchmarks varlen [--seq-len 4096] [--doc-len 256] [--repeats 3] [--dry]
 
 qwen3_tiny (conf/model/qwen3_tiny.yaml) on one row of seq_len tokens packed with documents of about doc_len
 tokens (uniform in [doc_len/2, 3*doc_len/2]); one forward+backward per call. The two paths alternate
@@ -9,27 +9,20 @@ distorts less than wall time. Peak memory is torch's MemTracker
 over one step (tensor bytes: parameters, gradients, activations, temporaries), not the process RSS.
 """
 
-import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-MiB = 2**20
+from benchmarks.common import MiB, interleaved, make_parser, parse
+from speedllm.models.config import ModelConfig
+from speedllm.models.qwen3 import Qwen3, masked_attention
+from speedllm.paths import CONF
 
 
 def build(seq_len: int, doc_len: int):
-    from omegaconf import OmegaConf
-
-    from speedllm.models.config import ModelConfig
-    from speedllm.models.qwen3 import Qwen3
-
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / "speedllm/conf/model/qwen3_tiny.yaml"),
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(CONF / "model" / "qwen3_tiny.yaml"),
                           {"tokenizer": "none", "max_position_embeddings": seq_len})
     model = Qwen3(cfg)
     model.init_weights(seed=0)
@@ -46,8 +39,6 @@ def build(seq_len: int, doc_len: int):
 
 def steps(model, tokens, positions, docs):
     """{path: one forward+backward} for the varlen (default) and the masked path."""
-    from speedllm.models.qwen3 import masked_attention
-
     mask = model.attention_mask(1, docs.shape[1], 0, docs, None, None, "cpu")
 
     def step(**attend):
@@ -68,22 +59,15 @@ def peak_bytes(model, fn) -> int:
     return next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> None:
+    parser = make_parser(__name__, __doc__)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--doc-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parse(parser, argv, seq_len=256, doc_len=64, repeats=1)
     model, tokens, positions, docs, num_docs = build(args.seq_len, args.doc_len)
     fns = steps(model, tokens, positions, docs)
-    times = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()  # warm-up
-    for _ in range(args.repeats):
-        for name, fn in fns.items():
-            start = time.process_time()
-            fn()
-            times[name].append(time.process_time() - start)
+    times, _ = interleaved(fns, args.repeats, time.process_time, warmup=1)
     peaks = {name: peak_bytes(model, fn) for name, fn in fns.items()}
     print(f"qwen3_tiny, seq_len {args.seq_len}, {num_docs} documents (~{args.doc_len} tokens), "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
@@ -93,7 +77,3 @@ def main() -> None:
         print(f"| {name} | {statistics.median(times[name]):.3f} | {peaks[name] / MiB:.0f} |")
     t = {name: statistics.median(v) for name, v in times.items()}
     print(f"varlen: x{t['mask'] / t['varlen']:.2f} faster, peak x{peaks['mask'] / peaks['varlen']:.2f} lower")
-
-
-if __name__ == "__main__":
-    main()

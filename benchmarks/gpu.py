@@ -1,8 +1,8 @@
 """GPU benchmark: the `cuda` op set against `reference`, bf16 training steps of qwen3_0.6b and qwen3_1.7b (ours vs
 torchtitan), float8, and decoding, in one run that writes one table.
 
-    python benchmarks/gpu.py                      # on a CUDA machine (sized for < 8 min on one H200): gpu_results.md
-    python benchmarks/gpu.py --dry --out t.md     # CPU: the same code path on tiny models (tests/test_gpu_bench.py)
+    python -m benchmarks gpu                      # on a CUDA machine (sized for < 8 min on one H200): gpu_results.md
+    python -m benchmarks gpu --dry --out t.md     # CPU: the same code path on tiny models (tests/test_benchmarks.py)
 
 Sections (each row of the table says what it measured):
   ops       max |cuda - reference| per op at qwen3_0.6b's sizes, in fp32 and bf16 (attention against the
@@ -11,7 +11,7 @@ Sections (each row of the table says what it measured):
             fused AdamW), batch 4 x 2048, median of 10 steps after 3: tokens/s, MFU against the hardware
             profile's bf16 peak (h200 / h100 / cuda by device name), peak allocated memory, and the first loss.
             torchtitan 0.3.0 (if installed: `pip install -e ".[bench]"`) on the same weights, its Qwen3 with
-            plain cross-entropy and fused AdamW, as in benchmarks/bench_peer.py.
+            plain cross-entropy and fused AdamW, as in `python -m benchmarks peer`.
   compiled  qwen3_0.6b with its decoder layers compiled (`train.compile`), in bf16 and, when torchao's float8
             training and an sm89+ GPU are there, with float8 linears in the decoder layers; compile time beside.
   decode    greedy decode tokens/s of qwen3_0.6b in bf16 at batch 1 and 8, ours vs transformers' static-cache
@@ -19,7 +19,6 @@ Sections (each row of the table says what it measured):
 Rows are written as they finish, so a run cut short still leaves its table; --budget-s skips what would not fit.
 """
 
-import argparse
 import os
 import statistics
 import subprocess
@@ -30,21 +29,19 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_peer import decode_speed, torchtitan_model  # noqa: E402
-
-from speedllm.config.schema import AdamWConfig, ModelConfig  # noqa: E402
-from speedllm.models import Qwen3  # noqa: E402
-from speedllm.models.hf_adapter import hf_config, to_hf_state_dict  # noqa: E402
-from speedllm.ops import get_ops, reference  # noqa: E402
-from speedllm.parallel import ParallelModel, clip_grad_norm  # noqa: E402
-from speedllm.paths import CONF, ROOT  # noqa: E402
-from speedllm.train.metrics import flops_per_token, mfu  # noqa: E402
-from speedllm.train.optimizer import build_optimizer  # noqa: E402
+from benchmarks.common import CONFIGS, REPO, decode_speed, have_torchtitan, make_parser, parse, torchtitan_model
+from speedllm.config.schema import AdamWConfig
+from speedllm.models import Qwen3
+from speedllm.models.config import ModelConfig
+from speedllm.models.hf_adapter import hf_config, to_hf_state_dict
+from speedllm.ops import get_ops, reference
+from speedllm.parallel import ParallelModel, clip_grad_norm
+from speedllm.paths import CONF
+from speedllm.train.metrics import flops_per_token, mfu
+from speedllm.train.optimizer import build_optimizer
 
 MODELS = ("qwen3_0.6b", "qwen3_1.7b")
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16)  # --dry: every model shrunk to this
+TINY = CONFIGS["tiny"]  # --dry: every model shrunk to this
 
 
 class Table:
@@ -124,8 +121,8 @@ def ops_rows(table: Table, device: torch.device, dry: bool) -> None:
             table.row("ops", f"{op}, {str(dtype).removeprefix('torch.')}: max abs diff cuda vs reference",
                       f"{diff:.2e}", "-", "-", note)
     if not dry:
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests/test_ops.py")]
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT).stdout.strip().splitlines()
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(REPO / "tests/test_ops.py")]
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO).stdout.strip().splitlines()
         table.row("ops", "pytest tests/test_ops.py on this device (cuda set vs reference)", out[-1] if out else "?",
                   "-", "-", "")
 
@@ -271,12 +268,11 @@ def decode_rows(table: Table, device, dry: bool, deadline: float) -> None:
                   f"x{speed['ours'] / speed['transformers']:.2f}, same ids: {same}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dry", action="store_true", help="CPU, tiny models: check the script end to end")
+def main(argv=None) -> None:
+    parser = make_parser(__name__, __doc__)
     parser.add_argument("--out", default="gpu_results.md")
     parser.add_argument("--budget-s", type=float, default=450.0, help="skip sections that start after this")
-    args = parser.parse_args()
+    args = parse(parser, argv)  # --dry: CPU, tiny models, the same code path
     start = time.monotonic()
     deadline = start + args.budget_s
     if args.dry:
@@ -285,15 +281,9 @@ def main() -> None:
         device = torch.device("cuda")
     else:
         sys.exit("no CUDA device: run on a GPU machine, or with --dry to check the script on CPU")
-    systems = ["ours"]
-    try:
-        import torchtitan.models.qwen3  # noqa: F401
-
-        systems.append("torchtitan")
-    except ImportError as err:
-        print(f"torchtitan skipped: {err} (pip install -e '.[bench]')")
+    systems = ["ours", "torchtitan"] if have_torchtitan() else ["ours"]
     what = "CPU dry run (tiny models)" if args.dry else torch.cuda.get_device_name(device)
-    table = Table(Path(args.out), f"benchmarks/gpu.py on {what}, torch {torch.__version__}, "
+    table = Table(Path(args.out), f"python -m benchmarks gpu on {what}, torch {torch.__version__}, "
                                   f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 rows stay fp32
     with torch.no_grad():
@@ -302,7 +292,3 @@ def main() -> None:
     decode_rows(table, device, args.dry, deadline)
     table.row("total", "wall time of this run", f"{time.monotonic() - start:.0f} s", "-", "-",
               f"table in {os.path.abspath(args.out)}")
-
-
-if __name__ == "__main__":
-    main()

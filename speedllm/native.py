@@ -1,8 +1,11 @@
-"""C kernels built at first use with the host's compiler, cached per source and CPU, loaded with ctypes.
+"""C kernels built at first use with the host's compiler, cached per source, CPU and kernel path, loaded with ctypes.
 
-`cc -O3 -march=native -fopenmp`: the build is for this CPU, so the CPU's flags are part of the cache key (a shared
-cache never hands an AVX-512 build to a CPU without it). Every kernel has a reference twin in torch that runs
-where no library can be built (no compiler): `load` then warns once and returns None.
+`cc -O3 -march=native -fopenmp -DSPEEDLLM_ISA_<PATH>`: the build is for this CPU, so the CPU's flags are part of
+the cache key (a shared cache never hands an AVX-512 build to a CPU without it). The kernel path (`isa()`) is the
+best this CPU supports: avx512 > avx2 (with FMA) on x86-64, neon on aarch64, else generic (portable C the compiler
+vectorizes for the host). SPEEDLLM_CPU_ISA forces a lower one, so every path can be built and tested on one
+machine; it is read at each kernel call (cheap), so a process can switch paths. Every kernel has a reference twin
+in torch that runs where no library can be built (no compiler): `load` then warns once and returns None.
 """
 
 import ctypes
@@ -15,29 +18,84 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from speedllm.errors import UserError
+
+ISA_ENV = "SPEEDLLM_CPU_ISA"
+ISAS = ("avx512", "avx2", "neon", "generic")  # fastest first
+# beyond -march=native: the avx2 path on an AVX-512 host must not let the compiler use AVX-512 either
+_ISA_FLAGS = {"avx2": ["-mno-avx512f"]}
+
 
 def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "speedllm" / "kernels"
 
 
-def _cpu_flags() -> str:
+def _cpuinfo(field: str) -> str:
+    """The value of the first `field` line of /proc/cpuinfo ("" where there is none, e.g. not Linux)."""
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
-        cpuinfo = ""
-    return next((line for line in cpuinfo.splitlines() if line.startswith("flags")), platform.processor())
+        return ""
+    line = next((line for line in cpuinfo.splitlines() if line.split(":")[0].strip() == field), "")
+    return line.partition(":")[2].strip()
+
+
+def _cpu_flags() -> str:
+    return _cpuinfo("flags") or platform.processor()
+
+
+def cpu_name() -> str:
+    """The CPU's model name, for reports."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 @functools.cache
-def load(source: Path):
-    """The shared library built from the C file `source` (ctypes.CDLL), or None where it cannot be built."""
+def supported_isas() -> tuple:
+    """The kernel paths this CPU can run, fastest first (generic always)."""
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):  # NEON is part of every aarch64 CPU
+        return ("neon", "generic")
+    flags = set(_cpu_flags().split())
+    x86 = [isa for isa, needs in (("avx512", {"avx512f"}), ("avx2", {"avx2", "fma"})) if needs <= flags]
+    return (*x86, "generic") if machine in ("x86_64", "amd64") else ("generic",)
+
+
+def isa() -> str:
+    """The kernel path the C kernels are built for: SPEEDLLM_CPU_ISA where set, else the best this CPU supports."""
+    return _isa(os.environ.get(ISA_ENV, ""))
+
+
+@functools.cache
+def _isa(forced: str) -> str:
+    supported = supported_isas()
+    if not forced:
+        return supported[0]
+    if forced not in supported:
+        what = "is not a kernel path" if forced not in ISAS else "is not supported by this CPU"
+        raise UserError(f"{ISA_ENV}={forced} {what}; set it to one of {', '.join(supported)} (this CPU; all paths: "
+                        f"{', '.join(ISAS)}) or unset it for the best")
+    return forced
+
+
+def compile_command(source: Path, out: Path, path: str) -> list:
+    """The host compiler's command line that builds `source` for kernel path `path` on this CPU."""
+    return [os.environ.get("CC", "cc"), "-O3", "-march=native", *_ISA_FLAGS.get(path, []),
+            f"-DSPEEDLLM_ISA_{path.upper()}", f'-DSPEEDLLM_ISA="{path}"', "-fopenmp", "-shared", "-fPIC",
+            str(source), "-o", str(out)]
+
+
+@functools.cache
+def load(source: Path, path: str):
+    """The shared library built from the C file `source` for kernel path `path` (one of supported_isas(); callers
+    pass isa()) as a ctypes.CDLL, or None where it cannot be built."""
     try:
         code = source.read_bytes()
     except OSError as e:  # an install without the package's C sources
         warnings.warn(f"{source.name} not found ({e}); its reference twin in torch runs instead (slower)")
         return None
-    key = hashlib.sha256(code + _cpu_flags().encode()).hexdigest()[:16]
-    library = cache_dir() / f"{source.stem}_{key}.so"
+    command = compile_command(source, Path("built.so"), path)
+    key = hashlib.sha256(code + _cpu_flags().encode() + " ".join(command).encode()).hexdigest()[:16]
+    library = cache_dir() / f"{source.stem}_{path}_{key}.so"
     if not library.exists():
         try:
             library.parent.mkdir(parents=True, exist_ok=True)
@@ -49,8 +107,7 @@ def load(source: Path):
                           f"{library.parent} for this run (set XDG_CACHE_HOME to a writable folder to keep it)")
         with tempfile.TemporaryDirectory(dir=library.parent) as tmp:  # build aside, then rename: atomic
             built = Path(tmp) / library.name
-            command = [os.environ.get("CC", "cc"), "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
-                       str(source), "-o", str(built)]
+            command = compile_command(source, built, path)
             try:
                 subprocess.run(command, check=True, capture_output=True)
             except (OSError, subprocess.CalledProcessError) as e:
@@ -59,3 +116,13 @@ def load(source: Path):
                 return None
             built.rename(library)
     return ctypes.CDLL(str(library))
+
+
+def kernel_path(source: Path) -> str:
+    """Which code the library built from `source` runs on this machine now (its `speedllm_path()`), or "reference
+    twin" where it cannot be built; for task=doctor."""
+    lib = load(source, isa())
+    if lib is None:
+        return "reference twin (not built)"
+    lib.speedllm_path.restype = ctypes.c_char_p
+    return lib.speedllm_path().decode()

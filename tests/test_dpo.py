@@ -122,7 +122,7 @@ def test_reward_accuracy_rises_above_0_9_on_an_easy_preference(tmp_path):
      "['lm_head'] not adaptable; pick from q_proj"),
     (["task=sft", "finetune.adapter=/nowhere"], "finetune.adapter=/nowhere needs adapters to load into; add "
      "finetune=lora"),
-    (["task=sft", "finetune=qlora", "parallel=fsdp2"], "finetune=qlora runs in one process"),
+    (["task=sft", "finetune=qlora", "parallel=pp2"], "finetune=qlora shards its NF4 base with FSDP2 only"),
 ])
 def test_finetune_and_dpo_settings_are_validated_before_launch(overrides, message):
     from omegaconf import open_dict

@@ -64,7 +64,7 @@ def test_int8_kernel_equals_its_reference_twin(rows):
     from speedllm.quant.int8 import int8_wo_mm, int8_wo_mm_reference, kernel, quantize_int8
 
     if kernel() is None:
-        pytest.skip("no C compiler or no AVX-512 here: int8 layers run the reference twin")
+        pytest.skip("no C compiler here: int8 layers run the reference twin")
     torch.manual_seed(0)
     q, scale = quantize_int8(torch.randn(40, 208))  # 208 = 3 x 64 + 16: the unrolled loop and its tail
     x = torch.randn(rows, 208)
@@ -149,7 +149,7 @@ def test_int8_hf_export_loads_in_transformers_with_the_same_greedy_tokens(model_
 def test_bytes_per_weight_follow_the_stored_format():
     assert bytes_per_weight("none", 4.0) == 4.0 and bytes_per_weight("float8", 2.0) == 1.0
     assert bytes_per_weight("int8_wo", 4.0) == 1.0
-    # int4 at group 128: half a byte plus a bf16 scale and zero per 128 weights, as Int4Linear stores them
+    # int4 at group 128: half a byte plus an fp32 scale and zero per 128 weights, as Int4Linear stores them
     from speedllm.quant.int4 import Int4Linear
 
     layer = Int4Linear.from_linear(nn.Linear(1024, 512, bias=False), 128)

@@ -1,5 +1,5 @@
-"""Adapter checkpoints: the frozen base of an adapter run (where it comes from, loading it, holding it in
-4-bit for QLoRA), and the adapters read back whole for export (a PEFT directory, or merged full HF weights).
+"""Adapter checkpoints: the frozen base of an adapter run (where it comes from, loading it; QLoRA's NF4 base:
+speedllm.quant.nf4), and the adapters read back whole for export (a PEFT directory, or merged full HF weights).
 
 The base is an HF directory (checkpoint.load_hf) or a DCP checkpoint without adapters (checkpoint.load naming
 a full-weights checkpoint, e.g. one task=convert convert.to=dcp wrote). An adapter run's own checkpoints hold
@@ -14,9 +14,10 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from speedllm.adapters.lora import is_adapter, merged_state_dict, target_linears
+from speedllm.adapters.lora import is_adapter, merged_state_dict, target_linears, unwrapped
 from speedllm.checkpoint.dcp import dcp_load, read_metadata, read_saved_config, resolve_load
 from speedllm.errors import UserError
+from speedllm.quant.nf4 import NF4_BYTES, fill_nf4_, is_nf4
 
 
 def holds_adapters(ckpt: Path) -> bool:
@@ -50,15 +51,14 @@ def load_dcp_base(modules: List[nn.Module], ckpt: Path) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     for module in modules:
-        state = {k: v for k, v in get_model_state_dict(module).items() if not is_adapter(k)}
-        dcp_load({"model": state}, ckpt)
+        # QLoRA's NF4 base: read whole, quantized as in one process (speedllm.quant.nf4)
+        nf4 = {unwrapped(name): p for name, p in module.named_parameters() if is_nf4(p)}
+        full = {name: torch.empty(p.shape) for name, p in nf4.items()}
+        state = {k: v for k, v in get_model_state_dict(module).items() if not is_adapter(k) and k not in nf4}
+        dcp_load({"model": {**state, **full}}, ckpt)
         set_model_state_dict(module, state, options=StateDictOptions(strict=False))
-
-
-# torchao's NF4 (to_nf4 defaults): a 4-bit code per weight, an int8 scaler per block of 64 weights, an fp32
-# factor per 256 scalers (double quantization), and one fp32 scaler mean per tensor
-NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
-NF4_BYTES = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_SCALER_BLOCK)
+        for name, param in nf4.items():
+            fill_nf4_(param, full[name])
 
 
 def base_bytes(model_cfg, ft) -> dict:
@@ -69,26 +69,15 @@ def base_bytes(model_cfg, ft) -> dict:
 
     with torch.device("meta"):
         model = Qwen3(model_cfg)
-    adapted = apply_lora(model, ft.rank, ft.alpha, ft.dropout, ft.targets)
-    quantized = [model.get_submodule(name).weight.numel() for name in adapted] if ft.name == "qlora" else []
+    apply_lora(model, ft.rank, ft.alpha, ft.dropout, ft.targets)
+    adapted = target_linears(model, ft.targets).values()
+    quantized = [linear.weight.numel() for linear in adapted] if ft.name == "qlora" else []
     params = {id(p): p for p in model.parameters()}.values()  # tied weights once
     base = sum(p.numel() for p in params if not p.requires_grad)
     adapters = sum(p.numel() for p in params if p.requires_grad)
     nf4_bytes = sum(quantized) * NF4_BYTES + 4 * len(quantized)
     return {"base_params": base, "base_bytes": (base - sum(quantized)) * 4 + nf4_bytes,
             "adapter_params": adapters}
-
-
-def quantize_base(modules: List[nn.Module], targets) -> None:
-    """QLoRA: the adapted projections' frozen weights become NF4 (torchao), 4 bits per weight + block scales."""
-    from torchao.quantization import to_nf4
-
-    for module in modules:
-        for name, linear in target_linears(module, targets).items():
-            if linear.weight.numel() % (NF4_BLOCK * NF4_SCALER_BLOCK):
-                raise UserError(f"finetune=qlora: {name}.weight has {linear.weight.numel()} weights, but NF4 needs a "
-                                f"multiple of {NF4_BLOCK * NF4_SCALER_BLOCK}; use finetune=lora for this model")
-            linear.weight = nn.Parameter(to_nf4(linear.weight.detach()), requires_grad=False)
 
 
 def load_base(modules: List[nn.Module], cfg, resume_from: Optional[Path]) -> Optional[Path]:
@@ -114,8 +103,6 @@ def load_base(modules: List[nn.Module], cfg, resume_from: Optional[Path]) -> Opt
         from speedllm.adapters.peft import load_peft_adapter
 
         load_peft_adapter(modules, ft.adapter, ft)
-    if ft.name == "qlora":
-        quantize_base(modules, ft.targets)
     return resume_from
 
 

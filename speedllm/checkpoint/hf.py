@@ -33,11 +33,12 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple, get_origin
 import torch
 from torch import nn
 
-from speedllm.adapters.lora import is_adapter
+from speedllm.adapters.lora import is_adapter, unwrapped
 from speedllm.errors import UserError, reading
 from speedllm.models.config import ModelConfig
 from speedllm.models.hf_adapter import hf_config, model_config_from_hf, to_hf_state_dict
 from speedllm.outputs import MARKER, make_scratch_dir
+from speedllm.quant.nf4 import fill_nf4_, is_nf4
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -230,7 +231,7 @@ def load_hf_weights(model, path: str) -> None:
         path: HF model directory.
     Each tensor is read as this rank's slice only and converted to the parameter's dtype.
     """
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
     from torch.distributed.tensor import DTensor
 
     modules = _modules(model)
@@ -240,13 +241,18 @@ def load_hf_weights(model, path: str) -> None:
     check_hf_files(path, model_cfg, files)
     with hf_reader(path, model_cfg, files) as read:
         for module in modules:
+            # QLoRA's NF4 base: quantized from the whole tensor, as in one process (speedllm.quant.nf4)
+            nf4 = {unwrapped(name): p for name, p in module.named_parameters() if is_nf4(p)}
+            for name, param in nf4.items():
+                fill_nf4_(param, read(name, param.shape, tuple(slice(0, n) for n in param.shape)))
             state = get_model_state_dict(module)
             for name, target in state.items():
-                if is_adapter(name):  # LoRA adapters are not part of the base model
+                if is_adapter(name) or name in nf4:  # LoRA adapters are not part of the base model
                     continue
                 local = target.to_local() if isinstance(target, DTensor) else target
                 local.copy_(read(name, target.shape, local_slices(target)))
-            set_model_state_dict(module, state)
+            set_model_state_dict(module, {k: v for k, v in state.items() if k not in nf4},
+                                 options=StateDictOptions(strict=not nf4))
 
 
 @contextmanager

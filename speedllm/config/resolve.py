@@ -131,11 +131,8 @@ def adopt_checkpoint_config(cfg: DictConfig) -> bool:
     model= against it.)
     """
     ck = cfg.checkpoint
-    if ck.load_hf is not None:
+    if ck.load_hf is not None or ck.load is None:  # no weights at all: validation says what to give
         return False
-    if ck.load is None:
-        raise UserError(f"task={cfg.task.name} needs weights: checkpoint.load=<checkpoint dir> (from a training "
-                        "run) or checkpoint.load_hf=<Hugging Face model dir> (with model=hf)")
     path = resolve_load(ck.load, ck.dir)
     if path is None:
         raise UserError(f"checkpoint.load={ck.load}: no checkpoint there yet; point it at a step_* directory or a "

@@ -16,6 +16,7 @@ from speedllm.errors import UserError
 from speedllm.generation.sampling import MIN_TEMPERATURE
 from speedllm.hardware import DTYPES
 from speedllm.models.config import PROJECTIONS
+from speedllm.native import isa
 from speedllm.ops import IMPLEMENTATIONS
 from speedllm.paths import CONF
 from speedllm.parallel.rules import divisors, inference_layout_errors, layout_errors, pipeline_batch_errors
@@ -41,7 +42,7 @@ CHOICES = {
     "finetune.name": ("full", "lora", "qlora"),
     "evaluate.split": ("train", "valid", "test"),
 }
-LORA_TARGETS = PROJECTIONS
+LORA_TARGETS = (*PROJECTIONS, "experts")
 
 
 def _at_least(low):
@@ -351,17 +352,52 @@ def check_finetune(cfg: DictConfig) -> None:
     if unknown or not ft.targets:
         raise UserError(f"finetune.targets={list(ft.targets)}: {unknown or 'empty'} not adaptable; pick from "
                         f"{', '.join(LORA_TARGETS)}")
-    if ft.name == "qlora" and p.dp * p.tp * p.pp * p.cp > 1:
-        raise UserError(f"finetune=qlora runs in one process (NF4 base); use parallel=single, or finetune=lora for "
-                        f"{p.name}")
+    if "experts" in ft.targets and not cfg.model.num_experts:
+        raise UserError(f"finetune.targets={list(ft.targets)}: model {cfg.model.name} has no experts; leave experts "
+                        "out of finetune.targets or use a MoE model")
+    if "experts" in ft.targets and ft.dropout > 0:
+        raise UserError(f"finetune.dropout={ft.dropout}: LoRA on the experts has no dropout (as PEFT's on parameters,"
+                        " which could not load it); set finetune.dropout=0 or leave experts out of finetune.targets")
+    if ft.name == "qlora":
+        check_qlora(cfg)
     if ft.adapter is not None:
         from speedllm.adapters.peft import read_peft_config
 
         read_peft_config(ft.adapter, ft)
 
 
+def check_qlora(cfg: DictConfig) -> None:
+    """finetune=qlora: the NF4 base is sharded by FSDP2 (dim 0) or held whole in one process; every NF4 weight,
+    and each rank's rows of it, must be whole double-quantization blocks (speedllm.quant.nf4)."""
+    from speedllm.quant.nf4 import NF4_BLOCK, NF4_SCALER_BLOCK
+
+    p, m, ft = cfg.parallel, cfg.model, cfg.finetune
+    unsharded = [f"parallel.{k}={v}" for k, v in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp), ("ep", p.ep)) if v > 1]
+    if not p.fsdp and p.dp > 1:
+        unsharded.append("parallel.fsdp=false")
+    if unsharded:
+        raise UserError(f"finetune=qlora shards its NF4 base with FSDP2 only, not under {', '.join(unsharded)} "
+                        "(torchao's NF4 weights have no tensor-, pipeline-, context- or expert-parallel form); use "
+                        f"parallel=fsdp<N> or parallel=single, or finetune=lora for {p.name}")
+    q, kv, d, i = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim, m.hidden_size, \
+        m.intermediate_size
+    shapes = {"q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q)}
+    if not m.num_experts or m.mlp_only_layers or m.decoder_sparse_step != 1:  # dense MLP layers
+        shapes.update(gate_proj=(i, d), up_proj=(i, d), down_proj=(d, i))
+    block = NF4_BLOCK * NF4_SCALER_BLOCK
+    for target in (t for t in ft.targets if t in shapes):  # experts stay in full precision
+        rows, cols = shapes[target]
+        if rows * cols % (block * p.dp) or rows % p.dp:
+            raise UserError(f"finetune=qlora: {target}.weight [{rows}, {cols}] does not split into whole NF4 blocks "
+                            f"of {block} weights on each of {p.dp} rank(s); use finetune=lora for model {m.name}"
+                            + (" (or fewer data-parallel ranks)" if p.dp > 1 else ""))
+
+
 def check_inference(cfg: DictConfig) -> None:
-    """Sampling and evaluation settings of the tasks that run a trained model."""
+    """Sampling and evaluation settings of the tasks that run a trained model, and its weights."""
+    if cfg.checkpoint.load is None and cfg.checkpoint.load_hf is None:
+        raise UserError(f"task={cfg.task.name} needs weights: checkpoint.load=<checkpoint dir> (from a training "
+                        "run) or checkpoint.load_hf=<Hugging Face model dir> (with model=hf)")
     gen = cfg.generate
     rules = [
         (gen.max_new_tokens >= 1, f"generate.max_new_tokens={gen.max_new_tokens} must be >= 1"),
@@ -526,6 +562,7 @@ def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
     check_quant(cfg)
     check_finetune(cfg)
     if cfg.task.name != "plan":
+        isa()  # SPEEDLLM_CPU_ISA, where set, names a kernel path this CPU runs
         check_world(cfg, world_size)
         check_paths(cfg)
         check_outputs(cfg)

@@ -20,11 +20,24 @@ class Experts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.up_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        # LoRA adapters on these weights, attached from outside (speedllm.adapters.lora.ExpertLoRA); None: none
+        self.adapter = None
 
     def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor, ops: Ops) -> torch.Tensor:
         """x_ND: token rows sorted by expert, counts_E rows per expert."""
-        h = ops.swiglu(ops.grouped_mm(x_ND, self.gate_proj, counts_E), ops.grouped_mm(x_ND, self.up_proj, counts_E))
-        return ops.grouped_mm(h, self.down_proj, counts_E)
+        return swiglu_experts(x_ND, counts_E, ops, self.gate_proj, self.up_proj, self.down_proj, self.adapter)
+
+
+def swiglu_experts(x_ND: torch.Tensor, counts_E: torch.Tensor, ops: Ops, gate_EID: torch.Tensor,
+                   up_EID: torch.Tensor, down_EDI: torch.Tensor, adapter=None) -> torch.Tensor:
+    """Every expert's SwiGLU over its block of rows, one grouped matmul per projection; `adapter` (an ExpertLoRA)
+    adds its low-rank terms to the projections' outputs, with grouped matmuls of its own."""
+    gate_NI, up_NI = ops.grouped_mm(x_ND, gate_EID, counts_E), ops.grouped_mm(x_ND, up_EID, counts_E)
+    if adapter is not None:
+        gate_NI, up_NI = adapter.gate_up(x_ND, counts_E, ops, gate_NI, up_NI)
+    h_NI = ops.swiglu(gate_NI, up_NI)
+    y_ND = ops.grouped_mm(h_NI, down_EDI, counts_E)
+    return y_ND if adapter is None else adapter.down(h_NI, counts_E, ops, y_ND)
 
 
 class MoE(nn.Module):
@@ -38,14 +51,18 @@ class MoE(nn.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        # Expert load of the training forwards since the last `take_expert_load`: tokens routed to each expert,
+        # router entropy summed over tokens, tokens. Not state: checkpoints leave it out.
+        self.register_buffer("load_tally", torch.zeros(cfg.num_experts + 2), persistent=False)
 
     def forward(
         self, x_BSD: torch.Tensor, token_mask: Optional[torch.Tensor] = None
-    ) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Returns the block output and the load-balancing statistics of this layer.
+    ) -> Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]:
+        """Returns the block output and the routing statistics of this layer.
 
-        The statistics are (top-k assignments per expert, router probability mass per expert, tokens counted),
-        with padding tokens (token_mask 0) left out; the model combines them over layers into the aux loss.
+        The statistics are (top-k assignments per expert, router probability mass per expert, tokens counted,
+        router entropy summed over tokens), with padding tokens (token_mask 0) left out; the model combines the
+        first three over layers into the aux loss and records all of them (`record_load`).
         """
         x_ND = x_BSD.reshape(-1, x_BSD.shape[-1])
         logits_NE = self.gate(x_ND)
@@ -64,10 +81,12 @@ class MoE(nn.Module):
         y = self.experts(x_ND[token_of_row], counts_E, self.ops) * weights_Nk.reshape(-1, 1)[order]
         out_ND = torch.zeros_like(x_ND).index_add_(0, token_of_row, y)
 
+        entropy_N = torch.special.entr(probs_NE.detach()).sum(dim=-1)  # -sum p ln p
         if token_mask is None:
             assigned_E = counts_E.float()
             prob_mass_E = probs_NE.sum(dim=0)
             num_tokens = torch.tensor(float(x_ND.shape[0]), device=x_ND.device)
+            entropy = entropy_N.sum()
         else:
             mask_N = token_mask.reshape(-1).float()
             assigned_E = torch.zeros(self.num_experts, device=x_ND.device).index_add_(
@@ -75,11 +94,39 @@ class MoE(nn.Module):
             )
             prob_mass_E = (probs_NE * mask_N.unsqueeze(1)).sum(dim=0)
             num_tokens = mask_N.sum()
-        return out_ND.view_as(x_BSD), (assigned_E, prob_mass_E, num_tokens)
+            entropy = (entropy_N * mask_N).sum()
+        return out_ND.view_as(x_BSD), (assigned_E, prob_mass_E, num_tokens, entropy)
+
+    @torch.no_grad()
+    def record_load(self, stats) -> None:
+        """Add one forward's statistics (as `forward` returns them) to `load_tally`."""
+        assigned_E, _, num_tokens, entropy = stats
+        self.load_tally += torch.cat([assigned_E, entropy.reshape(1), num_tokens.reshape(1)])
+
+
+def take_expert_load(model: nn.Module) -> dict:
+    """{layer id: its load_tally [E + 2]} of the MoE layers `model` holds (a pipeline stage: its own), and
+    the tallies start again from zero."""
+    tallies = {}
+    for name, layer in model.layers.items():
+        if layer.is_moe:
+            tallies[int(name)] = layer.mlp.load_tally.clone()
+            layer.mlp.load_tally.zero_()
+    return tallies
+
+
+def load_figures(tally_LE2: torch.Tensor) -> dict:
+    """Per-layer figures [L] from tallies [L, E + 2]: max_load (most tokens of an expert / the mean over
+    experts), dead_experts (fraction of experts that got no token), router_entropy (mean over tokens, nats).
+    Each is a ratio of the layer's own sums, so tallies scaled alike (counted twice by replicas) give the same."""
+    assigned_LE, entropy_L, tokens_L = tally_LE2[:, :-2], tally_LE2[:, -2], tally_LE2[:, -1]
+    return {"max_load": assigned_LE.max(dim=1).values / assigned_LE.mean(dim=1),
+            "dead_experts": (assigned_LE == 0).float().mean(dim=1),
+            "router_entropy": entropy_L / tokens_L}
 
 
 def sum_stats(stats) -> list:
-    """The layers' statistics summed in layer order: [assignments_E, prob_mass_E, tokens]."""
+    """The layers' load-balancing statistics summed in layer order: [assignments_E, prob_mass_E, tokens]."""
     return [sum(s[i] for s in stats) for i in range(3)]
 
 

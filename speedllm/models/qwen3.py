@@ -281,6 +281,8 @@ class Qwen3(nn.Module):
             h_BSD, stats = layer(h_BSD, cos_BSD, sin_BSD, mask, kv_cache, token_mask, attend)
             if stats is not None:
                 layer_stats.append(stats)
+                if self.training:  # here, not in the layer, which activation recompute runs twice
+                    layer.mlp.record_load(stats)
         if kv_cache is not None:
             kv_cache.advance(S)
 

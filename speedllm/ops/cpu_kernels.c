@@ -1,7 +1,8 @@
 /* Fused fp32 CPU kernels for the training step's elementwise ops: RMSNorm, SwiGLU, RoPE, forward and backward.
  *
- * Built by speedllm/native.py with the host's compiler (-O3 -march=native -fopenmp); the loops are written for
- * the compiler's auto-vectorization (omp simd) and split over rows with OpenMP. Same math as the `reference` op
+ * Built by speedllm/native.py with the host's compiler (-O3 -march=native -fopenmp, for one kernel path: the avx2
+ * path keeps AVX-512 off); the loops are written for the compiler's auto-vectorization (omp simd) and split over
+ * rows with OpenMP. Same math as the `reference` op
  * set (speedllm/ops/reference.py, the twin the tests hold these against), accumulated in fp32; only the order of
  * additions differs. All arrays are contiguous, row-major fp32. Reproducible for a given thread count.
  */
@@ -137,3 +138,5 @@ void rotary(const float *x, const float *cos, const float *sin, float *y, long R
         }
     }
 }
+
+const char *speedllm_path(void) { return "portable C (" SPEEDLLM_ISA " build)"; } /* for task=doctor */

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from speedllm.models.moe import Experts, MoE
+from speedllm.models.moe import Experts, MoE, swiglu_experts
 
 
 class _AllToAll(torch.autograd.Function):
@@ -49,6 +49,7 @@ class ExpertParallelExperts(nn.Module):
         self.ep_mesh = ep_mesh
         for name, param in experts.named_parameters():
             self.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)])))
+        self.adapter = None  # as Experts.adapter; its weights are sharded on the expert dim like these
 
     def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor, ops) -> torch.Tensor:
         group = self.ep_mesh.get_group()
@@ -68,9 +69,7 @@ class ExpertParallelExperts(nn.Module):
         order = torch.argsort(expert_of_row, stable=True)
         counts_local = counts_recv_RE.sum(dim=0)
         gate, up, down = (w.to_local() for w in (self.gate_proj, self.up_proj, self.down_proj))
-        rows = x_recv[order]
-        h = ops.swiglu(ops.grouped_mm(rows, gate, counts_local), ops.grouped_mm(rows, up, counts_local))
-        y_sorted = ops.grouped_mm(h, down, counts_local)
+        y_sorted = swiglu_experts(x_recv[order], counts_local, ops, gate, up, down, self.adapter)
         y_recv = y_sorted[torch.argsort(order)]
         return all_to_all(y_recv, send_splits, recv_splits, group)
 

@@ -34,6 +34,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from torch.distributed.tensor import DTensor, Shard
 
 from speedllm.hardware import DTYPES
+from speedllm.models.moe import take_expert_load
 from speedllm.parallel.rules import V_SCHEDULES
 
 
@@ -123,6 +124,9 @@ class Pipeline:
                 _send_local_sequence_shards(module, mesh["tp"], first=index == 0, last=index == self.num_stages - 1)
 
     def _build_schedule(self, num_microbatches: int) -> None:
+        if self.rank_module.has_moe:
+            for _, module in self.stages:
+                _forget_first_expert_load(module)
         pipeline_stages = [PipelineStage(module, index, self.num_stages, self.device, group=self.group)
                            for index, module in self.stages]
         schedule_class = get_schedule_class(self.schedule_name)
@@ -227,6 +231,24 @@ class Pipeline:
 def _losses_as_vectors(module, args, output):
     """(ce_sum, aux) as 1-element tensors: the schedule concatenates the last stage's outputs."""
     return tuple(t.reshape(1) for t in output) if isinstance(output, tuple) else output
+
+
+def _forget_first_expert_load(stage: nn.Module) -> None:
+    """Keep the stage's first forward out of its MoE layers' expert load: on a schedule's first step torch runs
+    every stage once more to infer shapes (past the first stage on uninitialized tensors)."""
+    saved, handles = {}, []
+
+    def before(module, args):
+        saved.update(take_expert_load(module))
+
+    def after(module, args, output):
+        take_expert_load(module)
+        for layer, tally in saved.items():
+            module.layers[str(layer)].mlp.load_tally.copy_(tally)
+        for handle in handles:
+            handle.remove()
+
+    handles += [stage.register_forward_pre_hook(before), stage.register_forward_hook(after)]
 
 
 def _moe_stats_as_keyword(module, args, kwargs):

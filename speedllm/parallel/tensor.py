@@ -58,7 +58,7 @@ class LocalTokensMoE(ParallelStyle):
     """A MoE block (speedllm.models.moe.MoE) on this rank's sequence shard of the residual stream.
 
     The block sees a plain local tensor (and its share of the token mask), returns its output as the sequence
-    shard of the stream again, and its statistics summed over the tensor axis: one all-reduce of 2E+1 numbers.
+    shard of the stream again, and its statistics summed over the tensor axis: one all-reduce of 2E+2 numbers.
     The router (`gate`) is replicated; it takes this rank's token rows as a row shard of the whole batch's rows,
     so DTensor sums its weight gradient over the tensor axis. The shapes given to DTensor are the global ones,
     the same on every rank even where the ranks hold different numbers of tokens (a decode step of one token),
@@ -79,15 +79,16 @@ class LocalTokensMoE(ParallelStyle):
             return (x_BSD.to_local(), *rest)
 
         def to_stream(module, args, output):
-            out_BSD, (assigned_E, prob_mass_E, num_tokens) = output
+            out_BSD, (assigned_E, prob_mass_E, num_tokens, entropy) = output
             shape, stride = specs.pop()
             out_BSD = DTensor.from_local(out_BSD, device_mesh, [Shard(1)], run_check=False, shape=shape,
                                          stride=stride)
             E = assigned_E.shape[0]
-            total = _SumOverRanks.apply(torch.cat([assigned_E, prob_mass_E, num_tokens.reshape(1)]),
-                                        device_mesh.get_group())
+            total = _SumOverRanks.apply(torch.cat([assigned_E, prob_mass_E, num_tokens.reshape(1),
+                                                   entropy.reshape(1)]), device_mesh.get_group())
             # copies, not views of `total`: FSDP warns when a layer returns views
-            return out_BSD, (total[:E].clone(), total[E:2 * E].clone(), total[2 * E].clone())
+            return out_BSD, (total[:E].clone(), total[E:2 * E].clone(), total[2 * E].clone(),
+                             total[2 * E + 1].clone())
 
         def router_rows(gate, inputs, mesh):
             (x_ND,) = inputs

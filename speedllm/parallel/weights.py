@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from speedllm.models.qwen3 import init_block_
+from speedllm.quant.nf4 import fill_nf4_, is_nf4
 
 
 @torch.no_grad()
@@ -30,7 +31,11 @@ def init_shards(modules: list, model_cfg, seed: int) -> None:
                 continue
             done.add(id(param))
             name = name.replace("_checkpoint_wrapped_module.", "")  # names as in the unwrapped model
-            if isinstance(param, DTensor):
+            if is_nf4(param):  # QLoRA's base: NF4 of the whole initial tensor (one tensor at a time)
+                full = torch.empty(param.shape)
+                init_block_(full, name, param.shape, (0,) * param.ndim, model_cfg, seed)
+                fill_nf4_(param, full)
+            elif isinstance(param, DTensor):
                 _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
                 init_block_(param.to_local(), name, param.shape, offset, model_cfg, seed)
             else:

@@ -8,7 +8,7 @@ tensors used by a grouped matmul, which neither torchao's `quantize_` nor torch'
     inference (task=generate/chat/evaluate/convert): quantize_for_inference() on a loaded model, or
     speedllm.generation.load.load_quantized() while loading (CPU, weight-only schemes)
         int8_wo   CPU: speedllm.quant.int8 (torchao's int8 numbers, our C kernel); GPU: torchao Int8WeightOnlyConfig
-        int4_wo   CPU: speedllm.quant.int4 on torch's packed int4 matmul; GPU: torchao Int4WeightOnlyConfig
+        int4_wo   CPU: speedllm.quant.int4 (torchao's int4 numbers, our C kernel); GPU: torchao Int4WeightOnlyConfig
         int8_dyn  torchao Int8DynamicActivationInt8WeightConfig
         qat_int4  = int4_wo (the scheme it was trained against)
         float8    torchao Float8DynamicActivationFloat8WeightConfig (float8 hardware only)
@@ -45,13 +45,14 @@ def bytes_per_weight(name: str, dtype_bytes: float, group_size: int = 128) -> fl
     """Stored bytes per quantized weight at inference (scales and zeros included), for the planner.
 
     int8: one byte plus one fp32 scale per output row (negligible); int4: half a byte plus a scale and zero per
-    group (the CPU kernel keeps them in bf16: 4 bytes per group).
+    group (the CPU kernel keeps them in fp32: 8 bytes per group; torchao's GPU int4 keeps 4, a 3% overcount at
+    group 128).
     """
     scheme = inference_scheme(name)
     if scheme in ("int8_wo", "int8_dyn"):
         return 1.0
     if scheme == "int4_wo":
-        return 0.5 + 4.0 / group_size
+        return 0.5 + 8.0 / group_size
     if scheme == "float8":
         return 1.0
     return dtype_bytes

@@ -1,25 +1,37 @@
-"""int4 weight-only linear layers on torch's packed CPU matmul (`torch._weight_int4pack_mm_for_cpu`).
+"""int4 weight-only linear layers for CPUs: torchao's int4 numbers, our C kernel (int4_kernel.c).
 
 Why not torchao here: torchao 0.18's Int4WeightOnlyConfig needs the `mslk` kernels, which exist for CUDA only;
 its CPU layout was removed. The quantization itself is torchao's (`get_groupwise_affine_qparams`, the
 "tinygemm" scheme: per group of `group_size` input features w ~ (q - 8) * scale + zero, q in 0..15), the same
 one its QAT fake quantizer applies during `quant=qat_int4` training, so a QAT checkpoint meets exactly the
-numbers it was trained against.
+numbers it was trained against (scales and zeros are kept in fp32, activations stay fp32).
 
-Letters: N rows (tokens), D in features, O out features, G groups (D / group_size).
+Why our own kernel: torch's packed int4 CPU matmul (`_weight_int4pack_mm_for_cpu`, bf16 activations) was only
+x0.9-1.6 of an fp32 matmul at qwen3_0.6b's decode sizes on an AVX2 CPU (benchmarks/bench_quant.py,
+docs/benchmarks/cpu-kernels.md); int4_kernel.c reads half a byte per weight and widens the nibbles in
+registers, with AVX2, NEON and portable-C paths (speedllm.native picks one). Without a compiler the reference
+twin runs: F.linear on the dequantized weight.
+
+Letters: N rows (tokens), D in features, O out features, G groups (D / group_size), U units of 32 features.
 """
 
+import ctypes
+import functools
+from pathlib import Path
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torchao.quantization.utils import (
     get_groupwise_affine_qparams,
+    groupwise_affine_dequantize_tensor_from_qparams,
     groupwise_affine_quantize_tensor_from_qparams,
-    pack_tinygemm_scales_and_zeros,
 )
 
-# The packed kernel is several times faster with bf16 activations than with fp32 ones on AVX-512 CPUs
-# (benchmarks/bench_quant.py); the weight is already 4-bit, so a bf16 activation adds little error.
-CPU_COMPUTE_DTYPE = torch.bfloat16
+from speedllm.native import isa, load
+
+KERNEL_SOURCE = Path(__file__).with_name("int4_kernel.c")
+UNIT = 32  # input features per 16 packed bytes (int4_kernel.c)
 
 
 def quantize_int4(weight_OD: torch.Tensor, group_size: int):
@@ -29,30 +41,79 @@ def quantize_int4(weight_OD: torch.Tensor, group_size: int):
     return q.to(torch.int32), scales, zeros
 
 
+def pack_int4(q_OD: torch.Tensor) -> torch.Tensor:
+    """q in 0..15 [O, D] as the kernel's bytes [O, D / 2]: per unit u of 32 features, 8 little-endian uint16 lanes,
+    lane i holding q[32u + 8k + i] in bits 4k..4k+3 (int4_kernel.c)."""
+    O, D = q_OD.shape
+    q_OUKI = q_OD.to(torch.int32).reshape(O, D // UNIT, 4, 8)
+    lanes_OUI = q_OUKI[:, :, 0] | q_OUKI[:, :, 1] << 4 | q_OUKI[:, :, 2] << 8 | q_OUKI[:, :, 3] << 12
+    return torch.stack([lanes_OUI & 0xFF, lanes_OUI >> 8], -1).to(torch.uint8).reshape(O, D // 2)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The q [O, D] (int32, 0..15) that pack_int4 packed."""
+    O, D = packed.shape[0], packed.shape[1] * 2
+    bytes_OUI2 = packed.to(torch.int32).reshape(O, D // UNIT, 8, 2)
+    lanes_OUI = bytes_OUI2[..., 0] | bytes_OUI2[..., 1] << 8
+    return torch.stack([lanes_OUI >> 4 * k & 0xF for k in range(4)], 2).reshape(O, D)
+
+
+def kernel():
+    """The compiled int4_wo_mm for the current kernel path (ctypes), or None where it cannot be built."""
+    return _kernel(isa())
+
+
+@functools.cache
+def _kernel(path: str):
+    lib = load(KERNEL_SOURCE, path)
+    if lib is None:
+        return None
+    fn = lib.int4_wo_mm
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 4 + [ctypes.c_int]
+    return fn
+
+
+def int4_wo_mm_reference(x_ND, packed, scales_OG, zeros_OG, group_size: int) -> torch.Tensor:
+    w_OD = groupwise_affine_dequantize_tensor_from_qparams(unpack_int4(packed), scales_OG, zeros_OG, 4, group_size)
+    return F.linear(x_ND, w_OD.to(x_ND.dtype))
+
+
+def int4_wo_mm(x_ND, packed, scales_OG, zeros_OG, group_size: int) -> torch.Tensor:
+    """x_ND @ w.T in x's dtype for the int4 weight w (packed, scales, zeros), accumulated in fp32 by the kernel."""
+    fn = kernel() if x_ND.device.type == "cpu" else None
+    if fn is None or torch.is_grad_enabled() and x_ND.requires_grad:
+        return int4_wo_mm_reference(x_ND, packed, scales_OG, zeros_OG, group_size)
+    x = x_ND.float().contiguous()
+    y = torch.empty(x.shape[0], packed.shape[0], dtype=torch.float32)
+    fn(x.data_ptr(), packed.data_ptr(), scales_OG.data_ptr(), zeros_OG.data_ptr(), y.data_ptr(), x.shape[0],
+       x.shape[1], packed.shape[0], group_size, torch.get_num_threads())
+    return y.to(x_ND.dtype)
+
+
 class Int4Linear(nn.Module):
-    """A bias-free linear layer whose weight is int4, packed for the CPU kernel.
+    """A bias-free linear layer whose weight is int4 (packed for int4_kernel.c, fp32 scales and zeros per group).
 
     Built from a full-precision nn.Linear with `Int4Linear.from_linear`; the weight is not a parameter any more
     (inference only). Outputs come back in the dtype of the input.
     """
 
-    def __init__(self, in_features: int, out_features: int, group_size: int, packed, scales_zeros):
+    def __init__(self, in_features: int, out_features: int, group_size: int, packed, scales, zeros):
         super().__init__()
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         self.register_buffer("packed", packed)
-        self.register_buffer("scales_zeros", scales_zeros)
+        self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int) -> "Int4Linear":
         q, scales, zeros = quantize_int4(linear.weight.detach(), group_size)
-        packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-        scales_zeros = pack_tinygemm_scales_and_zeros(scales, zeros, torch.float32).to(CPU_COMPUTE_DTYPE)
-        return cls(linear.in_features, linear.out_features, group_size, packed, scales_zeros)
+        return cls(linear.in_features, linear.out_features, group_size, pack_int4(q), scales.contiguous(),
+                   zeros.contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_ND = x.reshape(-1, self.in_features).to(CPU_COMPUTE_DTYPE)
-        y_NO = torch._weight_int4pack_mm_for_cpu(x_ND, self.packed, self.group_size, self.scales_zeros)
-        return y_NO.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        y = int4_wo_mm(x.reshape(-1, self.in_features), self.packed, self.scales, self.zeros, self.group_size)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"

@@ -3,8 +3,9 @@
 The quantization is torchao's (`Int8Tensor.from_hp`, per output row: w ~ q * scale, q in -128..127), so the
 weights are the ones torchao's `Int8WeightOnlyConfig` makes. The matmul is `int8_wo_mm`: a small C kernel
 (int8_kernel.c) compiled once with the host's compiler and cached, which reads one byte per weight and widens it
-in registers; torchao's CPU path and torch's `_weight_int8pack_mm` were slower than fp32 at batch 1 here
-(BENCHMARKS.md). Without a compiler or AVX-512 the reference twin runs: F.linear on the widened weight.
+in registers, with AVX-512, AVX2+FMA, NEON and portable-C paths (speedllm.native picks one); torchao's CPU path and
+torch's `_weight_int8pack_mm` were slower than fp32 at batch 1 here (BENCHMARKS.md). Without a compiler the
+reference twin runs: F.linear on the widened weight.
 
 Letters: N rows (tokens), D in features, O out features, V vocabulary.
 """
@@ -18,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from speedllm.native import load
+from speedllm.native import isa, load
 
 KERNEL_SOURCE = Path(__file__).with_name("int8_kernel.c")
 
@@ -48,11 +49,15 @@ def quantize_int8(weight_OD: torch.Tensor, block: int = 4096, group=None):
     return q, scale
 
 
-@functools.cache
 def kernel():
-    """The compiled int8_wo_mm (ctypes), or None where it cannot be built or has no fast path on this CPU."""
-    lib = load(KERNEL_SOURCE)
-    if lib is None or not lib.int8_wo_mm_fast():
+    """The compiled int8_wo_mm for the current kernel path (ctypes), or None where it cannot be built."""
+    return _kernel(isa())
+
+
+@functools.cache
+def _kernel(path: str):
+    lib = load(KERNEL_SOURCE, path)
+    if lib is None:
         return None
     fn = lib.int8_wo_mm
     fn.restype = None

@@ -1,5 +1,6 @@
 """task=doctor: check every rank's host, device, backend and mesh position with a verified all-reduce."""
 
+import os
 import platform
 import socket
 
@@ -23,6 +24,17 @@ def _report(cfg: DictConfig, rt: Runtime) -> dict:
             "python": platform.python_version(), **versions}
 
 
+def cpu_kernels() -> str:
+    """Which code path each CPU kernel runs on this machine (speedllm.native; SPEEDLLM_CPU_ISA forces one)."""
+    from speedllm.native import ISA_ENV, cpu_name, kernel_path, supported_isas
+    from speedllm.ops import cpu
+    from speedllm.quant import int4, int8
+
+    return (f"cpu kernels on {cpu_name()} ({ISA_ENV}={os.environ.get(ISA_ENV) or 'unset'}; paths here: "
+            f"{', '.join(supported_isas())}): int8 matmul {kernel_path(int8.KERNEL_SOURCE)}, int4 matmul "
+            f"{kernel_path(int4.KERNEL_SOURCE)}, rms_norm/swiglu/rotary {kernel_path(cpu.KERNEL_SOURCE)}")
+
+
 def run(cfg: DictConfig, rt: Runtime) -> None:
     report = _report(cfg, rt)
     # Each rank contributes rank+1; the sum over the world is known in closed form.
@@ -44,6 +56,7 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
         hosts = len({r["host"] for r in reports})
         print(f"doctor: {len(reports)}/{rt.world_size} ranks on {hosts} host(s) reported; all-reduce "
               f"{'ok' if ok else 'WRONG'} (sum {value.item():g}, expected {expected:g}); hardware={cfg.hardware.name}")
+        print(cpu_kernels())
     if not ok:
         raise UserError(f"all-reduce over {rt.world_size} ranks returned {value.item():g} instead of {expected:g}; "
                         f"check the network / backend {cfg.hardware.backend}")

@@ -12,7 +12,7 @@ from speedllm.checkpoint.dcp import Checkpointer, latest_checkpoint
 from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.build import build_training, grad_accum_steps, to_device
 from speedllm.train.faults import BadSteps, Preemption
-from speedllm.train.metrics import MetricsLogger, flops_per_token, mfu, peak_memory_gb
+from speedllm.train.metrics import MetricsLogger, expert_load_metrics, flops_per_token, mfu, peak_memory_gb
 from speedllm.train.samples import print_samples
 from speedllm.train.state import extra_state
 from speedllm.train.step import evaluate, train_step
@@ -59,12 +59,13 @@ def run(cfg, rt: Runtime) -> None:
                 if step % t.log_every == 0 or step == stop_at:
                     tokens_per_s = window_steps * tokens_per_step / window_time
                     achieved = mfu(tokens_per_s, flops_tok, peak_tflops, rt.world_size)
+                    expert_load = expert_load_metrics(pm.module, cfg.model, rt.device) if pm.module.has_moe else {}
                     logger.log(step, {
                         "loss": sum(window_losses) / len(window_losses) if window_losses else math.nan,
                         "lr": lr,
                         "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                         "tflops": tokens_per_s * flops_tok / rt.world_size / 1e12, "mfu": achieved,
-                        "peak_mem_gb": peak_memory_gb(rt.device), "skipped_steps": bad.total})
+                        "peak_mem_gb": peak_memory_gb(rt.device), "skipped_steps": bad.total, **expert_load})
                     window_losses, window_time, window_steps = [], 0.0, 0
                 if t.eval_every > 0 and step % t.eval_every == 0:
                     valid_loss = evaluate(pm, cfg, dp_rank, dp_size, group, rt.device, autocast)

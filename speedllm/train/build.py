@@ -12,6 +12,7 @@ import torch
 
 from speedllm.adapters.lora import adapter_fn, init_adapters
 from speedllm.hardware import DTYPES
+from speedllm.models.moe import take_expert_load
 from speedllm.parallel import ParallelModel, materialize, output_loss_for, parallelize
 from speedllm.runtime import Runtime
 from speedllm.train.optimizer import build_optimizer
@@ -42,6 +43,7 @@ def build_model(cfg, rt: Runtime) -> ParallelModel:
     adapt = adapter_fn(cfg.finetune)
     pm = meta_model(cfg, rt, adapt)
     materialize(pm, rt.dims, rt.device, cfg.seed)
+    take_expert_load(pm.module)  # the expert load tallies start from zero (to_empty left them unset)
     if adapt is not None:  # the same adapters on every layout, B = 0
         init_adapters(pm.parts, cfg.seed)
     return pm

@@ -15,8 +15,11 @@ from pathlib import Path
 from typing import Dict
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig
+from torch import nn
 
+from speedllm.models.moe import load_figures, take_expert_load
 from speedllm.models.qwen3 import is_moe_layer
 from speedllm.outputs import write_text_atomic
 
@@ -62,6 +65,39 @@ def peak_memory_gb(device: torch.device) -> float:
     return getattr(torch, device.type).max_memory_allocated(device) / 2**30
 
 
+def expert_load_metrics(module: nn.Module, model: DictConfig, device: torch.device) -> Dict[str, float]:
+    """`moe/layer_<i>/{max_load,dead_experts,router_entropy}` of every MoE layer and the whole model's
+    `moe/max_load` (max over layers), `moe/dead_experts` and `moe/router_entropy` (means over layers), over the
+    training forwards since the last call, on this rank's `module` (docs/moe-metrics.md).
+
+    The tallies are summed over all ranks (a collective: every rank calls this): the dp and cp ranks' tokens
+    and ep ranks' routers add up to the global batch, pipeline ranks contribute their own layers, and tensor
+    parallel replicas scale a layer's sums alike, which its ratios do not see.
+    """
+    table_LE2 = torch.zeros(model.num_hidden_layers, model.num_experts + 2, device=device)
+    for layer, tally in take_expert_load(module).items():
+        table_LE2[layer] = tally
+    if dist.is_initialized():
+        dist.all_reduce(table_LE2)
+    layers = [i for i in range(model.num_hidden_layers) if is_moe_layer(model, i)]
+    figures = {name: values.tolist() for name, values in load_figures(table_LE2[layers]).items()}
+    metrics = {"moe/max_load": max(figures["max_load"]),
+               "moe/dead_experts": sum(figures["dead_experts"]) / len(layers),
+               "moe/router_entropy": sum(figures["router_entropy"]) / len(layers)}
+    for name, values in figures.items():
+        metrics |= {f"moe/layer_{i}/{name}": value for i, value in zip(layers, values)}
+    return metrics
+
+
+def tensorboard_tag(prefix: str, name: str) -> str:
+    """`<prefix>/<name>`, or for a name with its own group (`moe/layer_3/max_load`) that group with slashes
+    made underscores (`moe_layer_3/max_load`): TensorBoard groups scalars by the tag's first component."""
+    if "/" not in name:
+        return f"{prefix}/{name}"
+    group, leaf = name.rsplit("/", 1)
+    return f"{group.replace('/', '_')}/{leaf}"
+
+
 class MetricsLogger:
     """Rank 0's sinks: `metrics.jsonl`, TensorBoard event files and a console progress bar with ETA.
 
@@ -98,7 +134,7 @@ class MetricsLogger:
         self.jsonl.flush()
         if self.writer is not None:
             for name, value in metrics.items():
-                self.writer.add_scalar(f"{prefix}/{name}", value, step)
+                self.writer.add_scalar(tensorboard_tag(prefix, name), value, step)
             self.writer.flush()
         if self.bar is not None:
             shown = {k: metrics[k] for k in ("loss", "lr", "tokens_per_s", "mfu") if k in metrics}
