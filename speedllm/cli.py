@@ -9,8 +9,8 @@ import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, OmegaConfBaseException
 
@@ -66,7 +66,7 @@ def composition_error(e: Exception) -> str:
         return f"{group}={choice} is not an option; choose {group}=<{'|'.join(e.options)}>"
     if isinstance(e, OSError) and e.filename is not None:  # Hydra making the run directory
         return (f"hydra.run.dir: cannot create the run directory {e.filename} ({e.strerror}); pass "
-                "hydra.run.dir=<a new or existing folder>")
+                "hydra.run.dir=<a new or existing folder> (hydra.sweep.dir= under -m)")
     cause = e.__cause__
     if isinstance(cause, OmegaConfBaseException) and cause.full_key:  # the schema refused a key or a value
         what = str(cause).splitlines()[0].rstrip(".")
