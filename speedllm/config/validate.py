@@ -395,9 +395,6 @@ def check_qlora(cfg: DictConfig) -> None:
 
 def check_inference(cfg: DictConfig) -> None:
     """Sampling and evaluation settings of the tasks that run a trained model, and its weights."""
-    if cfg.checkpoint.load is None and cfg.checkpoint.load_hf is None:
-        raise UserError(f"task={cfg.task.name} needs weights: checkpoint.load=<checkpoint dir> (from a training "
-                        "run) or checkpoint.load_hf=<Hugging Face model dir> (with model=hf)")
     gen = cfg.generate
     rules = [
         (gen.max_new_tokens >= 1, f"generate.max_new_tokens={gen.max_new_tokens} must be >= 1"),
@@ -430,6 +427,9 @@ def check_inference(cfg: DictConfig) -> None:
     for ok, message in rules:
         if not ok:
             raise UserError(message)
+    if cfg.checkpoint.load is None and cfg.checkpoint.load_hf is None:
+        raise UserError(f"task={cfg.task.name} needs weights: checkpoint.load=<checkpoint dir> (from a training "
+                        "run) or checkpoint.load_hf=<Hugging Face model dir> (with model=hf)")
 
 
 def check_rendezvous(cfg: DictConfig) -> None:
