@@ -68,8 +68,8 @@ def _spawn(cfg: DictConfig, frozen: Path, nproc: int) -> None:
                         f"launcher.rdzv_timeout={lc.rdzv_timeout}s ({one_line(e)}); start the same command on every "
                         "node with node 0's host:port, or raise launcher.rdzv_timeout") from None
     except SignalException as e:
-        # SIGTERM/SIGINT reached the agent, which passed it on to the ranks and waited for them: a server stops, a
-        # training run saves its checkpoint. The documented way to stop a run, not an internal error.
+        # SIGTERM/SIGINT reached the agent, which passed it on to the ranks and waited for them (a server stops, a
+        # training run saves its checkpoint): the documented way to stop a run, exit 0 as in one process
         print(f"stopped by {e.sigval.name}", file=sys.stderr)
     except ChildFailedError as e:
         codes = sorted({f.exitcode for f in e.failures.values()})

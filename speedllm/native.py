@@ -97,7 +97,14 @@ def load(source: Path, path: str):
     key = hashlib.sha256(code + _cpu_flags().encode() + " ".join(command).encode()).hexdigest()[:16]
     library = cache_dir() / f"{source.stem}_{path}_{key}.so"
     if not library.exists():
-        library.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            library.parent.mkdir(parents=True, exist_ok=True)
+            if not os.access(library.parent, os.W_OK):
+                raise PermissionError(f"{library.parent} is not writable")
+        except OSError as e:  # a read-only home or cache: build for this process only
+            library = Path(tempfile.mkdtemp(prefix="speedllm-kernels-")) / library.name
+            warnings.warn(f"kernel cache {cache_dir()} cannot be written ({e}); building {source.name} into "
+                          f"{library.parent} for this run (set XDG_CACHE_HOME to a writable folder to keep it)")
         with tempfile.TemporaryDirectory(dir=library.parent) as tmp:  # build aside, then rename: atomic
             built = Path(tmp) / library.name
             command = compile_command(source, built, path)

@@ -69,11 +69,28 @@ def remove_ours(path: Path) -> bool:
     return True
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write `path` under a temporary name and rename it, so a reader never sees half a file."""
+def write_text_atomic(path: Path, text: str, key: str) -> None:
+    """Write `path` under a temporary name, flushed to disk, and rename it, so a reader never sees half a file.
+
+    A device or pipe (/dev/stdout) is written in place: renaming over it would replace the device. A failed
+    write (a full disk) is the user's one-line error naming `key`, and leaves no file behind.
+    """
+    if path.exists() and not path.is_file():
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as e:
+            raise UserError(f"{key}={path}: writing failed ({e.strerror or e}); choose another {key}") from None
+        return
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        tmp.write_text(text, encoding="utf-8")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        raise UserError(f"{key}={path}: writing failed ({e.strerror or e}); free space there or choose another "
+                        f"{key}") from None
     finally:
         tmp.unlink(missing_ok=True)

@@ -182,11 +182,11 @@ def test_tokenizer_larger_than_model_vocab_is_rejected(tmp_path, launch):
 @pytest.mark.parametrize("overrides,hydra_says", [
     (["model.not_a_key=1"], "Key 'not_a_key' not in 'ModelConfig'"),
     (["train.steps=abc"], "Value 'abc' of type 'str' could not be converted to Integer"),
-    (["model=qwen3_7b"], "Could not find 'model/qwen3_7b'"),
+    (["model=qwen3_7b"], "model=qwen3_7b is not an option; choose model=<hf|"),
 ])
 def test_hydra_rejects_unknown_keys_wrong_types_and_options(overrides, hydra_says, tmp_path, launch):
     code, out, err = launch(tmp_path, *overrides)
-    assert code != 0
+    assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
     assert hydra_says in err
 
 

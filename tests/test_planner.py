@@ -96,7 +96,7 @@ def test_parallel_auto_fills_a_valid_layout():
     choose_layout(cfg)
     p = cfg.parallel
     assert p.dp * p.tp * p.pp * p.cp == 8
-    cfg.task.name = "plan"  # the layout rules only: no device or data checks on this machine
+    cfg.task = compose_config("task=plan").task  # the layout rules only: no device or data checks on this machine
     validate(cfg, 8, 8)
     planner = Planner(problem_from_config(cfg, 8))
     chosen = planner.estimate(layout_from_config(p, cfg.train), p.pp_layers)

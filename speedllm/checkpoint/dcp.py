@@ -124,6 +124,10 @@ def dcp_load(state: Dict[str, Any], path: Path) -> None:
                         f"{reason[:300]}); point checkpoint.load at a complete checkpoint of this model") from None
 
 
+DAMAGED_FIX = ("point checkpoint.load at a complete checkpoint written by SpeedLLM (an earlier step_* directory "
+               "if this one is damaged)")
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
@@ -200,7 +204,7 @@ def _publish(root_path: Path, tmp: Path, final: Path, keep: int) -> None:
     """Rank 0, once every rank's files are written: rename into place, point `latest` at it, keep the newest."""
     remove_ours(final)  # a re-run of the same step replaces its old copy
     os.replace(tmp, final)
-    write_text_atomic(root_path / LATEST, final.name + "\n")
+    write_text_atomic(root_path / LATEST, final.name + "\n", "checkpoint.dir")
     if keep > 0:
         for old in finished_checkpoints(root_path)[:-keep]:
             remove_ours(old)  # a step_* directory we did not write is never deleted
@@ -330,4 +334,9 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     if not extra_file.is_file():
         # more ranks than the checkpoint was written with: replicated state (step, RNG seed stream) from rank 0
         extra_file = path / "extra_rank0.pt"
-    return torch.load(extra_file, weights_only=True)
+    with reading(f"checkpoint.load: {extra_file}", DAMAGED_FIX):
+        try:
+            return torch.load(extra_file, weights_only=True)
+        except pickle.UnpicklingError:  # torch's message is a page of advice on allow-listing globals
+            raise ValueError("it holds a pickled object, not plain data; torch.load(weights_only=True) refused to "
+                             "run it") from None

@@ -23,7 +23,8 @@ def resolve(cfg: DictConfig) -> tuple[int, int]:
     """Resolve cfg in place (see the module docstring); returns (world_size, nproc_per_node)."""
     resolve_hardware(cfg)
     resolve_model(cfg)
-    if cfg.task.inference:
+    validate_values(cfg)  # values first: a typo is named before a missing checkpoint, and the layout is derived
+    if cfg.task.inference:  # from sane launcher counts and planner sizes
         adopt_checkpoint_config(cfg)
     if not cfg.task.in_process:  # a job that is not launched needs no rendezvous
         resolve_nodes(cfg)
@@ -68,7 +69,6 @@ def resolve_layout(cfg: DictConfig) -> tuple[int, int]:
     """
     p, launcher = cfg.parallel, cfg.launcher
     if p.name == "auto":
-        validate_values(cfg)  # the planner's inputs (sizes, batch) must be sane before it searches
         choose_layout(cfg)
     model_parallel = p.tp * p.pp * p.cp
     if under_torchrun():

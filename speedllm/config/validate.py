@@ -4,6 +4,8 @@ Each rule raises UserError with ONE line naming the key(s), their values and a f
 rejected unknown keys and wrong types; what is left are rules that span several keys or touch the machine.
 """
 
+import dataclasses
+import importlib.util
 import math
 import os
 from glob import glob
@@ -11,12 +13,21 @@ from glob import glob
 from omegaconf import DictConfig, OmegaConf
 
 from speedllm.errors import UserError
+from speedllm.generation.sampling import MIN_TEMPERATURE
 from speedllm.hardware import DTYPES
 from speedllm.models.config import PROJECTIONS
 from speedllm.native import isa
 from speedllm.ops import IMPLEMENTATIONS
-from speedllm.parallel.rules import (OFFLOAD, PP_SCHEDULES, divisors, inference_layout_errors, layout_errors,
-                                     offload_errors, pipeline_batch_errors)
+from speedllm.parallel.rules import (
+    OFFLOAD,
+    PP_SCHEDULES,
+    divisors,
+    inference_layout_errors,
+    layout_errors,
+    offload_errors,
+    pipeline_batch_errors,
+)
+from speedllm.paths import CONF
 from speedllm.quant import FLOAT8_RECIPES, QUANT_NAMES, TRAINING
 from speedllm.train.muon import ADJUST_LR_FNS, NS_DTYPES
 from speedllm.train.schedule import SCHEDULES
@@ -116,6 +127,70 @@ def check_choices(cfg: DictConfig) -> None:
             raise UserError(f"{key}={value} is not one of {', '.join(allowed)}; pick one of them")
 
 
+def check_known_keys(cfg: DictConfig, where: str = "") -> None:
+    """Keys a `+key=value` override added to a typed section (the schema refuses plain `key=value` itself)."""
+    schema = OmegaConf.get_type(cfg)
+    if where and not dataclasses.is_dataclass(schema):
+        return  # a free-form dict (model.rope_scaling)
+    known = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else set()
+    for key in cfg.keys():
+        dotted = f"{where}{key}"
+        if known and key not in known and dotted != "run_dir":
+            raise UserError(f"{dotted} is not a setting (no such key in {schema.__name__}); check the spelling "
+                            "(`python launch.py --cfg job` prints every key) and drop the +")
+        node = cfg._get_node(key)
+        if isinstance(node, DictConfig) and not node._is_none():
+            check_known_keys(node, f"{dotted}.")
+
+
+def check_task_name(cfg: DictConfig) -> None:
+    """task.name is what the launcher and the rules go by: it must be a conf/task file, and that file's task."""
+    names = sorted(p.stem for p in (CONF / "task").glob("*.yaml"))
+    name = cfg.task.name
+    if name not in names:
+        raise UserError(f"task.name={name} is not a task; choose the task with task=<{'|'.join(names)}>")
+    target = OmegaConf.load(CONF / "task" / f"{name}.yaml").task._target_
+    if cfg.task._target_ != target:
+        raise UserError(f"task.name={name} but task._target_={cfg.task._target_} runs another task; choose the "
+                        f"task with task={name}, not task.name")
+
+
+def check_dtype(cfg: DictConfig) -> None:
+    """The dtype must be one the hardware profile has kernels (and a speed) for."""
+    hw = cfg.hardware
+    if hw.dtype not in hw.peak_tflops:
+        raise UserError(f"hardware.dtype={hw.dtype}: hardware={hw.name} ({hw.device}) lists no {hw.dtype} kernels "
+                        f"(hardware.peak_tflops has {', '.join(hw.peak_tflops)}); use hardware.dtype="
+                        f"{'|'.join(hw.peak_tflops)}")
+
+
+# (what needs it, module, extra): a choice that imports an optional package, checked before anything runs
+def _extras(cfg: DictConfig):
+    if cfg.quant.name != "none":
+        yield f"quant={cfg.quant.name}", "torchao", "quant"
+    if cfg.finetune.name == "qlora":
+        yield "finetune=qlora", "torchao", "finetune"
+    if cfg.task.name == "serve":
+        yield "task=serve", "fastapi", "serve"
+        yield "task=serve", "uvicorn", "serve"
+    if cfg.task.name == "evaluate" and cfg.evaluate.tasks:
+        yield "evaluate.tasks", "lm_eval", "eval"
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
+
+
+def check_extras(cfg: DictConfig) -> None:
+    for what, module, extra in _extras(cfg):
+        if not _installed(module):
+            raise UserError(f"{what} needs {module}, which is not installed: pip install 'speedllm[{extra}]' "
+                            f"(from a checkout: pip install -e '.[{extra}]')")
+
+
 def check_values(cfg: DictConfig) -> None:
     """Each value on its own: in range, finite; then the few rules between two keys of one group."""
     for key, (ok, must_be) in VALUE_RULES.items():
@@ -153,6 +228,12 @@ def check_outputs(cfg: DictConfig) -> None:
     inputs = {"data.tokenizer": [d.tokenizer]}
     inputs.update({key: [value] for key, value in (("checkpoint.load", ck.load), ("checkpoint.load_hf", ck.load_hf))
                    if value not in (None, "auto")})
+    for key, path in (("data.output_prefix", d.output_prefix), ("generate.output", gen.output)):
+        if path is not None and str(path).endswith(("/", os.sep)):
+            raise UserError(f"{key}={path} ends in '/', a folder; {key} names a file, e.g. {key}={path}"
+                            f"{'corpus' if key == 'data.output_prefix' else 'out.jsonl'}")
+    if task in ("pretrain", "sft", "dpo"):  # every training run saves (at the end, or when stopped early)
+        check_writable("checkpoint.dir", ck.dir, directory=True)
     if task == "preprocess":
         patterns = [d.input] if isinstance(d.input, str) else list(d.input)
         inputs["data.input"] = [f for pattern in patterns for f in (glob(str(pattern), recursive=True) or [pattern])]
@@ -336,20 +417,21 @@ def check_qlora(cfg: DictConfig) -> None:
 
 def check_inference(cfg: DictConfig) -> None:
     """Sampling and evaluation settings of the tasks that run a trained model, and its weights."""
-    if cfg.checkpoint.load is None and cfg.checkpoint.load_hf is None:
-        raise UserError(f"task={cfg.task.name} needs weights: checkpoint.load=<checkpoint dir> (from a training "
-                        "run) or checkpoint.load_hf=<Hugging Face model dir> (with model=hf)")
     gen = cfg.generate
     rules = [
         (gen.max_new_tokens >= 1, f"generate.max_new_tokens={gen.max_new_tokens} must be >= 1"),
         (gen.batch_size >= 1, f"generate.batch_size={gen.batch_size} must be >= 1"),
-        (gen.temperature >= 0, f"generate.temperature={gen.temperature} must be >= 0 (0 = greedy)"),
+        (gen.temperature == 0 or gen.temperature >= MIN_TEMPERATURE,
+         f"generate.temperature={gen.temperature} must be 0 (greedy) or at least {MIN_TEMPERATURE} (smaller ones "
+         "overflow the probabilities)"),
         (gen.top_k >= 0, f"generate.top_k={gen.top_k} must be >= 0 (0 = off)"),
         (0 < gen.top_p <= 1, f"generate.top_p={gen.top_p} must be in (0, 1] (1 = off)"),
         (gen.repetition_penalty > 0, f"generate.repetition_penalty={gen.repetition_penalty} must be > 0 (1 = off)"),
         (cfg.evaluate.steps >= 1, f"evaluate.steps={cfg.evaluate.steps} must be >= 1"),
         (cfg.evaluate.batch_size >= 1, f"evaluate.batch_size={cfg.evaluate.batch_size} must be >= 1"),
     ]
+    if cfg.task.name == "generate" and gen.prompt is None and gen.prompts_file is None:
+        rules.append((False, "task=generate needs generate.prompt=<text> or generate.prompts_file=<path>"))
     s = cfg.serve
     if cfg.task.name == "serve":
         rules += [
@@ -367,6 +449,9 @@ def check_inference(cfg: DictConfig) -> None:
     for ok, message in rules:
         if not ok:
             raise UserError(message)
+    if cfg.checkpoint.load is None and cfg.checkpoint.load_hf is None:
+        raise UserError(f"task={cfg.task.name} needs weights: checkpoint.load=<checkpoint dir> (from a training "
+                        "run) or checkpoint.load_hf=<Hugging Face model dir> (with model=hf)")
 
 
 def check_rendezvous(cfg: DictConfig) -> None:
@@ -442,8 +527,6 @@ def check_paths(cfg: DictConfig) -> None:
             for suffix in (".bin", ".idx"):
                 _must_exist("data.path", f"{prefix}{suffix}", "give the prefix of a .bin/.idx pair "
                             "(e.g. made by task=preprocess)")
-    if task == "generate" and cfg.generate.prompt is None and cfg.generate.prompts_file is None:
-        raise UserError("task=generate needs generate.prompt=<text> or generate.prompts_file=<path>")
     if cfg.generate.prompts_file is not None and task == "generate":
         _must_exist("generate.prompts_file", cfg.generate.prompts_file, "one prompt per line, or jsonl")
     if task == "convert":
@@ -480,22 +563,26 @@ def check_hf_model(cfg: DictConfig) -> None:
 
 def validate_values(cfg: DictConfig) -> None:
     """The rules that need no layout: run before the launcher derives the world size from these values."""
+    check_known_keys(cfg)
+    check_task_name(cfg)
     check_hf_model(cfg)
     check_choices(cfg)
     check_values(cfg)
+    check_dtype(cfg)
     check_model(cfg)
+    if cfg.task.inference:
+        check_inference(cfg)
 
 
 def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
     """Run every rule; the first failure raises UserError."""
     validate_values(cfg)
     check_task(cfg, world_size)
+    check_extras(cfg)
     check_parallel(cfg)
     check_batch(cfg)
     check_quant(cfg)
     check_finetune(cfg)
-    if cfg.task.inference:
-        check_inference(cfg)
     if cfg.task.name != "plan":
         isa()  # SPEEDLLM_CPU_ISA, where set, names a kernel path this CPU runs
         check_world(cfg, world_size)

@@ -24,7 +24,7 @@ import torch
 from speedllm.data.datasets import build_pretrain_dataset, parse_data_path
 from speedllm.data.indexed import exists
 from speedllm.data.tokenizer import load_tokenizer, tokenizer_vocab_size
-from speedllm.errors import UserError
+from speedllm.errors import UserError, reading
 from speedllm.paths import ASSETS
 
 DEMO_CORPUS = ASSETS / "corpus" / "shakespeare.jsonl.xz"
@@ -37,7 +37,12 @@ def check_vocab(cfg, path=None) -> None:
     for _, prefix in parse_data_path(path) if path is not None else []:
         meta = Path(prefix + ".json")
         if meta.is_file():
-            sources.append((f"{prefix}.bin (see {meta.name})", json.loads(meta.read_text())["vocab_size"]))
+            with reading(f"data.path: {meta}", f"rerun task=preprocess to rewrite it, or delete {meta.name} (it "
+                         "records the tokenizer's vocabulary size, checked against the model)"):
+                size = json.loads(meta.read_text())["vocab_size"]
+                if not isinstance(size, int):
+                    raise TypeError(f"vocab_size is {size!r}, not an integer")
+            sources.append((f"{prefix}.bin (see {meta.name})", size))
     for what, size in sources:
         if size > cfg.model.vocab_size:
             raise UserError(f"{what} has {size} token ids but model {cfg.model.name} has vocab_size="
@@ -62,13 +67,18 @@ def demo_prefix(cfg) -> str:
     tok_files = sorted(p for p in tok_dir.glob("tokenizer*.json"))
     key = _digest([DEMO_CORPUS, *tok_files])
     cache = Path(str(cfg.data.cache_dir)) / "demo"
-    cache.mkdir(parents=True, exist_ok=True)
     prefix = str(cache / f"shakespeare-{tok_dir.name}-{key}")
     if exists(prefix):
         return prefix
     from speedllm.data.preprocess import preprocess
 
-    with open(prefix + ".lock", "w") as lock:
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        lock = open(prefix + ".lock", "w")
+    except OSError as e:
+        raise UserError(f"data.cache_dir={cfg.data.cache_dir}: cannot write the tokenized demo corpus there "
+                        f"({e.strerror}); set SPEEDLLM_CACHE=<a writable folder> (or data.cache_dir=)") from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not exists(prefix):
             print(f"data=demo: tokenizing the bundled corpus with {tok_dir} into {prefix} (first use only)")

@@ -284,6 +284,9 @@ def preprocess(
             Path(output_prefix + ".json.tmp").write_text(json.dumps(meta, indent=2) + "\n")
             writer.finalize()
             os.replace(output_prefix + ".json.tmp", output_prefix + ".json")
+    except OSError as e:  # the inputs are read behind reading(): this is the output (a full disk, a read-only place)
+        raise UserError(f"data.output_prefix={output_prefix}: writing failed ({e.strerror or e}); free space there "
+                        "or choose another data.output_prefix") from None
     finally:
         if pool is not None:
             pool.terminate()

@@ -11,8 +11,9 @@ from typing import Annotated, List, Literal, Optional, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator
 from pydantic_core import PydanticCustomError
 
+from speedllm.generation.sampling import MIN_TEMPERATURE
+
 MAX_STOPS = 4  # OpenAI's limit on stop strings
-MIN_TEMPERATURE = 1e-6  # below it, logits / temperature can overflow float32 (a 0.0 in float32 is greedy's 0)
 
 
 def one_of(description: str) -> WrapValidator:

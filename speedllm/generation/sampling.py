@@ -10,6 +10,8 @@ from typing import Optional
 
 import torch
 
+MIN_TEMPERATURE = 1e-6  # below it, logits / temperature can overflow float32 (a 0.0 in float32 is greedy's 0)
+
 
 @dataclass(frozen=True)
 class Sampling:

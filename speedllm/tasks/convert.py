@@ -99,7 +99,7 @@ def hf_to_dcp(path: str, out: str, cfg: DictConfig) -> Path:
     saved["data"]["tokenizer"] = tokenizer
     OmegaConf.save(OmegaConf.create(saved), tmp / "config.yaml")
     os.replace(tmp, final)
-    write_text_atomic(out_root / LATEST, final.name + "\n")
+    write_text_atomic(out_root / LATEST, final.name + "\n", "convert.out")
     return final
 
 

@@ -9,7 +9,6 @@ rank, exactly as training's loader does, and reports exp(total cross-entropy / t
 are printed and written to <run_dir>/eval.json.
 """
 
-import importlib.util
 import json
 import math
 import time
@@ -32,8 +31,6 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
 
     ev, t = cfg.evaluate, cfg.train
     if ev.tasks:
-        if importlib.util.find_spec("lm_eval") is None:
-            raise UserError("evaluate.tasks runs lm-eval: pip install -e '.[eval]'")
         from speedllm.generation import harness
 
         return harness.run(cfg, rt)

@@ -121,5 +121,6 @@ def report(rows: List[dict], gen: DictConfig, seconds: float, streaming: bool) -
     if gen.output is not None:
         out = Path(gen.output)
         out.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(out, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+        text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        write_text_atomic(out, text, "generate.output")
         print(f"wrote {len(rows)} rows to {out}", file=sys.stderr)

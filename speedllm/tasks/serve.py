@@ -389,12 +389,9 @@ def model_id_of(cfg: DictConfig) -> str:
 
 def run(cfg: DictConfig, rt: Runtime) -> None:
     """task=serve: load the model, then serve on rank 0 (other ranks follow its steps) until SIGTERM/SIGINT."""
+    import uvicorn  # the .[serve] extra, checked before launch (config.validate.check_extras)
+
     s = cfg.serve
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn
-    except ImportError:
-        raise UserError("task=serve needs FastAPI and uvicorn: pip install -e '.[serve]'") from None
     model = load_model(cfg, rt)
     max_len = min(s.max_len, max_positions(cfg.model))
     dtype, tp = DTYPES[cfg.hardware.dtype], cfg.parallel.tp

@@ -115,7 +115,7 @@ class MetricsLogger:
         path = run_path / "metrics.jsonl"
         if path.is_file():  # a resumed run redoes the steps after its checkpoint: their earlier rows go
             rows = path.read_text().splitlines(keepends=True)
-            write_text_atomic(path, "".join(r for r in rows if json.loads(r)["step"] <= start_step))
+            write_text_atomic(path, "".join(r for r in rows if json.loads(r)["step"] <= start_step), "run_dir")
         self.jsonl = open(path, "a")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -7,8 +7,9 @@ import random
 import numpy as np
 import torch
 
-from speedllm.checkpoint.dcp import load_checkpoint, resolve_load
+from speedllm.checkpoint.dcp import DAMAGED_FIX, load_checkpoint, resolve_load
 from speedllm.checkpoint.hf import load_hf_weights
+from speedllm.errors import reading
 from speedllm.parallel import ParallelModel
 from speedllm.runtime import Runtime
 from speedllm.train.optimizer import check_resumable
@@ -62,10 +63,11 @@ def restore(cfg, rt: Runtime, pm: ParallelModel, optimizer, scheduler, loader) -
     if resume_from is not None:
         check_resumable(resume_from, cfg.optim)
         extra = load_checkpoint(resume_from, pm.module, optimizer)
-        step = extra["step"]
-        load_scheduler_state(scheduler, optimizer, extra["scheduler"])
-        loader.load_state_dict(extra["loader"])
-        set_rng_state(extra["rng"], rt.device)
+        with reading(f"checkpoint.load: {resume_from}/extra_rank*.pt", DAMAGED_FIX):  # edited or garbled values
+            step = int(extra["step"])
+            load_scheduler_state(scheduler, optimizer, extra["scheduler"])
+            loader.load_state_dict(extra["loader"])
+            set_rng_state(extra["rng"], rt.device)
         if rt.is_main:
             print(f"resumed from {resume_from} at step {step}")
     elif ck.load_hf is not None and cfg.finetune.name == "full":  # fine-tune from HF weights (a resume first)
