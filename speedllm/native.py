@@ -126,3 +126,20 @@ def kernel_path(source: Path) -> str:
         return "reference twin (not built)"
     lib.speedllm_path.restype = ctypes.c_char_p
     return lib.speedllm_path().decode()
+
+
+def c_function(source: Path, name: str, argtypes: tuple):
+    """The C function `name` (returning void) of `source`, built for the current kernel path (isa()), as a ctypes
+    function with `argtypes`; None where it cannot be built."""
+    return _c_function(source, name, argtypes, isa())
+
+
+@functools.cache
+def _c_function(source: Path, name: str, argtypes: tuple, path: str):
+    lib = load(source, path)
+    if lib is None:
+        return None
+    fn = getattr(lib, name)
+    fn.restype = None
+    fn.argtypes = list(argtypes)
+    return fn

@@ -16,7 +16,6 @@ Letters: N rows (tokens), D in features, O out features, G groups (D / group_siz
 """
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
@@ -28,8 +27,9 @@ from torchao.quantization.utils import (
     groupwise_affine_quantize_tensor_from_qparams,
 )
 
-from speedllm.native import isa, load
+from speedllm.native import c_function
 
+ARGTYPES = tuple([ctypes.c_void_p] * 5 + [ctypes.c_long] * 4 + [ctypes.c_int])
 KERNEL_SOURCE = Path(__file__).with_name("int4_kernel.c")
 UNIT = 32  # input features per 16 packed bytes (int4_kernel.c)
 
@@ -60,18 +60,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 def kernel():
     """The compiled int4_wo_mm for the current kernel path (ctypes), or None where it cannot be built."""
-    return _kernel(isa())
-
-
-@functools.cache
-def _kernel(path: str):
-    lib = load(KERNEL_SOURCE, path)
-    if lib is None:
-        return None
-    fn = lib.int4_wo_mm
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 4 + [ctypes.c_int]
-    return fn
+    return c_function(KERNEL_SOURCE, "int4_wo_mm", ARGTYPES)
 
 
 def int4_wo_mm_reference(x_ND, packed, scales_OG, zeros_OG, group_size: int) -> torch.Tensor:

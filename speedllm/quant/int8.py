@@ -11,7 +11,6 @@ Letters: N rows (tokens), D in features, O out features, V vocabulary.
 """
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
@@ -19,8 +18,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from speedllm.native import isa, load
+from speedllm.native import c_function
 
+ARGTYPES = tuple([ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int])
 KERNEL_SOURCE = Path(__file__).with_name("int8_kernel.c")
 
 
@@ -51,18 +51,7 @@ def quantize_int8(weight_OD: torch.Tensor, block: int = 4096, group=None):
 
 def kernel():
     """The compiled int8_wo_mm for the current kernel path (ctypes), or None where it cannot be built."""
-    return _kernel(isa())
-
-
-@functools.cache
-def _kernel(path: str):
-    lib = load(KERNEL_SOURCE, path)
-    if lib is None:
-        return None
-    fn = lib.int8_wo_mm
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    return fn
+    return c_function(KERNEL_SOURCE, "int8_wo_mm", ARGTYPES)
 
 
 def int8_wo_mm_reference(x_ND: torch.Tensor, q_OD: torch.Tensor, scale_O: torch.Tensor) -> torch.Tensor:
