@@ -54,6 +54,7 @@ class Table:
 
     def __init__(self, path: Path, header: str):
         self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(f"{header}\n\n| section | what | ours | torchtitan | transformers | notes |\n"
                         "|---|---|---|---|---|---|\n")
 

@@ -185,7 +185,7 @@ def test_failed_rewrite_keeps_no_half_pair(tmp_path):
 
 def test_task_preprocess_from_composed_config(tmp_path, capsys):
     from speedllm.config import compose_config
-    from speedllm.data import preprocess as task
+    from speedllm.tasks import preprocess as task
 
     src = tmp_path / "in.jsonl"
     src.write_text('{"text": "To be, or not to be"}\n{"text": "that is the question"}\n')

@@ -140,6 +140,8 @@ def _make_artifacts(base: Path, save_tiny_hf) -> None:
     # wide enough for int4 groups of 128 (quant.group_size must divide every projection's input width)
     save_tiny_hf(base / "hf", seed=3, vocab_size=len(load_tokenizer(str(DEMO_TOKENIZER))), tie_word_embeddings=True,
                  hidden_size=128, intermediate_size=256, head_dim=32)
+    save_tiny_hf(base / "hf_moe", seed=3, vocab_size=len(load_tokenizer(str(DEMO_TOKENIZER))), num_experts=4,
+                 num_experts_per_tok=2, moe_intermediate_size=64)
     _launch(work, f"hydra.run.dir={base / 'run'}", *TRAIN_CHEAP)
     _launch(work, "task=sft", "model=hf", f"checkpoint.load_hf={base / 'hf'}", "finetune=lora",
             f"hydra.run.dir={base / 'lora_run'}", *TRAIN_CHEAP)
@@ -182,6 +184,7 @@ def _free_port() -> int:
 
 def _substitute(command: str, artifacts: Path, tmp_path: Path) -> str:
     paths = {"<run>": tmp_path / "run", "<lora run>": tmp_path / "lora_run", "<HF dir>": artifacts / "hf",
+             "<Qwen3-MoE dir>": artifacts / "hf_moe",
              "<PEFT dir>": artifacts / "peft", "<tokenizer dir>": DEMO_TOKENIZER, "<out dir>": tmp_path / "out"}
     unknown = set(re.findall(r"<[^<>]+>", command)) - set(paths)
     assert not unknown, f"placeholders {sorted(unknown)} are not made by this test: make them in _substitute"

@@ -59,7 +59,7 @@ def test_generate_from_a_transformers_dir_gives_its_greedy_tokens(variant, tmp_p
 def test_sft_steps_from_a_yarn_dir(tmp_path, launch):
     path = saved("yarn", tmp_path / "yarn")
     code, out, err = launch(tmp_path / "run", "task=sft", "model=hf", f"checkpoint.load_hf={path}",
-                            "train.steps=2", "train.seq_len=64", "train.micro_batch_size=2",
+                            "train.steps=2", "train.log_every=1", "train.seq_len=64", "train.micro_batch_size=2",
                             "train.global_batch_size=2", "train.eval_every=0", "generate.num_samples=0",
                             cwd=tmp_path)
     assert code == 0, err

@@ -430,8 +430,6 @@ def check_inference(cfg: DictConfig) -> None:
         (cfg.evaluate.steps >= 1, f"evaluate.steps={cfg.evaluate.steps} must be >= 1"),
         (cfg.evaluate.batch_size >= 1, f"evaluate.batch_size={cfg.evaluate.batch_size} must be >= 1"),
     ]
-    if cfg.task.name == "generate" and gen.prompt is None and gen.prompts_file is None:
-        rules.append((False, "task=generate needs generate.prompt=<text> or generate.prompts_file=<path>"))
     s = cfg.serve
     if cfg.task.name == "serve":
         rules += [
@@ -449,9 +447,6 @@ def check_inference(cfg: DictConfig) -> None:
     for ok, message in rules:
         if not ok:
             raise UserError(message)
-    if cfg.checkpoint.load is None and cfg.checkpoint.load_hf is None:
-        raise UserError(f"task={cfg.task.name} needs weights: checkpoint.load=<checkpoint dir> (from a training "
-                        "run) or checkpoint.load_hf=<Hugging Face model dir> (with model=hf)")
 
 
 def check_rendezvous(cfg: DictConfig) -> None:
@@ -574,6 +569,16 @@ def validate_values(cfg: DictConfig) -> None:
         check_inference(cfg)
 
 
+def check_inputs(cfg: DictConfig) -> None:
+    """What an inference task reads: weights, and for task=generate prompts (checked after every value rule)."""
+    gen = cfg.generate
+    if cfg.task.name == "generate" and gen.prompt is None and gen.prompts_file is None:
+        raise UserError("task=generate needs generate.prompt=<text> or generate.prompts_file=<path>")
+    if cfg.checkpoint.load is None and cfg.checkpoint.load_hf is None:
+        raise UserError(f"task={cfg.task.name} needs weights: checkpoint.load=<checkpoint dir> (from a training "
+                        "run) or checkpoint.load_hf=<Hugging Face model dir> (with model=hf)")
+
+
 def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
     """Run every rule; the first failure raises UserError."""
     validate_values(cfg)
@@ -597,3 +602,5 @@ def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
             from speedllm.data.loader import check_vocab
 
             check_vocab(cfg)
+    if cfg.task.inference:
+        check_inputs(cfg)

@@ -173,6 +173,6 @@ def measure_layout(cfg, world: int, out_dir) -> list:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    config = OmegaConf.to_container(cfg, resolve=True)  # the ranks need no Hydra and no resolvers
+    config = OmegaConf.to_container(OmegaConf.merge(cfg, {"run_dir": str(out_dir)}), resolve=True)  # no Hydra there
     mp.spawn(_rank_main, args=(world, port, config, str(out_dir)), nprocs=world, join=True)
     return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
