@@ -169,16 +169,22 @@ def bench_training(config: str, systems, steps: int, compile_: bool, clock) -> d
     return result
 
 
+GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm")
+
+
 def profile(config: str, systems, rows: int) -> None:
-    """torch.profiler table of one training step per system (after one untimed step), by self CPU time."""
+    """torch.profiler table of one training step per system (after one untimed step), by self CPU time, and the
+    step's GEMM share: the self time of the matrix-multiply ops over the profiled step's wall time."""
     hf = hf_model(config)
     for name in systems:
         _, step = build(name, config, hf)
         step()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            step()
-        print(f"\n{config} {name}:")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+            seconds, _ = timed(step)
+        events = prof.key_averages()
+        gemm_s = sum(e.self_cpu_time_total for e in events if e.key in GEMMS) / 1e6
+        print(f"\n{config} {name}: step {seconds:.3f} s, GEMMs {gemm_s:.3f} s = {gemm_s / seconds:.1%} of it")
+        print(events.table(sort_by="self_cpu_time_total", row_limit=rows))
 
 
 def child(name: str, config: str, compile_: bool) -> dict:

@@ -5,9 +5,10 @@
 
 Random weights at two sizes: `generate`'s ~40M Qwen3 and conf/model/qwen3_0.6b.yaml. Every runner works
 on the same fp32 weights (shared, not copied; the quantized variants hold only their own quantized tensors),
-greedy, one thread, and all runners of a size take turns within each repeat, so load from other processes
+greedy, one thread (--threads), and all runners of a size take turns within each repeat, so load from other processes
 hits them alike. Decode tokens/s = batch x (N - 1) / (time of N new tokens - time of 1), the median over
---repeats, timed with this process's CPU time (on a shared machine wall time mostly measures the scheduler).
+--repeats, timed with this process's CPU time (on a shared machine wall time mostly measures the scheduler;
+on a quiet one `--threads 0 --clock wall` times what a user's decode gets, on every core).
 transformers int8_wo holds the same int8 numbers as ours: torchao Int8WeightOnly projections and output
 projection, and the embedding's dequantized int8 rows. transformers has no int4 row: torchao's int4 needs the
 CUDA-only mslk kernels.
@@ -17,13 +18,12 @@ turns with the same fp32 row; the header names the CPU and its paths. --dry: the
 """
 
 import os
-import time
 
 import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from benchmarks.common import CONFIGS, decode_rates, hf_greedy, make_parser, ours_greedy, parse
+from benchmarks.common import CLOCKS, CONFIGS, decode_rates, hf_greedy, make_parser, ours_greedy, parse
 from speedllm.config.schema import QuantConfig
 from speedllm.models import Qwen3, num_params
 from speedllm.models.config import ModelConfig
@@ -34,6 +34,7 @@ from speedllm.quant import QUANTIZED, quantize_for_inference
 from speedllm.quant.int8 import quantize_int8
 
 PROMPT_LEN = 16
+OPS = OmegaConf.load(CONF / "hardware" / "cpu.yaml").ops  # ours runs the op set `task=generate hardware=cpu` runs
 SIZES = {
     "40m": dict(name="bench_40m", **CONFIGS["vocab_32k"], tie_word_embeddings=True),
     "0.6b": None,  # conf/model/qwen3_0.6b.yaml
@@ -72,7 +73,7 @@ def runners(cfg, paths=("native",), transformers=True):
 
     def ours(name):
         with torch.device("meta"):
-            model = Qwen3(cfg)
+            model = Qwen3(cfg, ops=OPS)
         model.load_state_dict(state, assign=True)  # shares the fp32 tensors; quantizing replaces only its own
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
@@ -117,9 +118,13 @@ def main(argv=None) -> None:
                         help="CPU kernel paths for our quantized rows (native: the best this CPU supports)")
     parser.add_argument("--no-transformers", dest="transformers", action="store_false",
                         help="only our rows")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default, all cores)")
+    parser.add_argument("--clock", choices=list(CLOCKS), default="cpu",
+                        help="wall: for a quiet machine (the CPU clock adds up the threads' time)")
     args = parse(parser, argv, sizes=["tiny"], batches=[1], new_tokens=4, repeats=1)
-    torch.set_num_threads(1)
-    clock = time.process_time
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock, threads = CLOCKS[args.clock], torch.get_num_threads()
     print(f"CPU: {cpu_name()}; kernel paths it supports: {', '.join(supported_isas())} (native: "
           f"{supported_isas()[0]})")
     for size in args.sizes:
@@ -128,7 +133,7 @@ def main(argv=None) -> None:
         for batch in args.batches:
             prompt = torch.randint(0, cfg.vocab_size, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
             rate, tokens = decode_rates(runs, prompt, args.new_tokens, args.repeats, clock, warmup=0)
-            print(f"{size} batch {batch}: decode tokens/s (CPU clock, 1 thread)")
+            print(f"{size} batch {batch}: decode tokens/s ({args.clock} clock, {threads} thread{'s' * (threads > 1)})")
             for name in runs:
                 precision = name.split()[1]
                 same = tokens[name] == tokens[f"ours {precision}"]

@@ -36,7 +36,7 @@ def int8_case(rows, seed=0):
 
 def int4_case(rows, group_size, seed=0):
     g = torch.Generator().manual_seed(seed)
-    q, scales, zeros = int4.quantize_int4(torch.randn(24, 256, generator=g), group_size)
+    q, scales, zeros = int4.quantize_int4(torch.randn(25, 256, generator=g), group_size)
     return torch.randn(rows, 256, generator=g), int4.pack_int4(q), scales, zeros
 
 

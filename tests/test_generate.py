@@ -216,10 +216,13 @@ def test_generate_task_from_dcp_checkpoint_streams_one_prompt(hf_dir, tmp_path, 
 def test_generate_user_errors(tmp_path, launch):
     code, _, err = launch(tmp_path / "run", "hardware=cpu", "task=generate", "generate.prompt=hi", cwd=tmp_path)
     assert code == 2 and err.strip().splitlines()[-1].startswith("error: task=generate needs weights: checkpoint.load")
+    code, _, err = launch(tmp_path / "run", "hardware=cpu", "task=generate", cwd=tmp_path)  # prompt, then weights
+    assert code == 2 and "error: task=generate needs generate.prompt=<text> or generate.prompts_file" in err
     (tmp_path / "ckpt").mkdir()
     code, _, err = launch(tmp_path / "run", "hardware=cpu", "task=generate", f"checkpoint.load={tmp_path}/ckpt",
-                          cwd=tmp_path)
-    assert code == 2 and "error: task=generate needs generate.prompt=<text> or generate.prompts_file" in err
+                          "generate.prompt=hi", cwd=tmp_path)
+    assert code == 2 and err.strip().splitlines()[-1].startswith(f"error: checkpoint.load={tmp_path}/ckpt: no DCP "
+                                                                 "checkpoint there")
     code, _, err = launch(tmp_path / "run", "hardware=cpu", "task=generate", "generate.prompt=hi",
                           "generate.top_p=0", cwd=tmp_path)
     assert code == 2 and "error: generate.top_p=0.0 must be in (0, 1] (1 = off)" in err

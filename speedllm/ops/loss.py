@@ -45,7 +45,8 @@ def _loss_and_grad_(logits_NV: torch.Tensor, labels_N: torch.Tensor):
     loss = -(logprobs.gather(1, targets) * keep).sum()
     probs = logprobs.exp_()
     probs.scatter_add_(1, targets, torch.full(targets.shape, -1.0, device=probs.device))
-    return loss, probs.mul_(keep)
+    # rows without a label take no gradient: zero those rows only, not a pass over every logit (mul_(keep))
+    return loss, probs.index_fill_(0, torch.nonzero(~keep.squeeze(1)).squeeze(1), 0.0)
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
