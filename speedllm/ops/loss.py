@@ -45,8 +45,9 @@ def _loss_and_grad_(logits_NV: torch.Tensor, labels_N: torch.Tensor):
     loss = -(logprobs.gather(1, targets) * keep).sum()
     probs = logprobs.exp_()
     probs.scatter_add_(1, targets, torch.full(targets.shape, -1.0, device=probs.device))
-    # rows without a label take no gradient: zero those rows only, not a pass over every logit (mul_(keep))
-    return loss, probs.index_fill_(0, torch.nonzero(~keep.squeeze(1)).squeeze(1), 0.0)
+    if probs.device.type == "cpu":  # zero the rows without a label only, not a pass over every logit
+        return loss, probs.index_fill_(0, torch.nonzero(~keep.squeeze(1)).squeeze(1), 0.0)
+    return loss, probs.mul_(keep)  # on an accelerator: no host sync for the row indices
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):

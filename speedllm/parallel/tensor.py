@@ -149,7 +149,9 @@ def _vocab_parallel_chunk(logits, labels_N, vocab_start, group):
     loss = ((sums[0].log() + max_N - sums[1]) * keep).sum()
     probs.div_(sums[0][:, None])
     probs.scatter_add_(1, local_labels, -mine.float()[:, None])
-    return loss, probs.index_fill_(0, torch.nonzero(~keep).squeeze(1), 0.0)  # rows without a label only
+    if probs.device.type == "cpu":  # zero the rows without a label only (as speedllm.ops.loss does)
+        return loss, probs.index_fill_(0, torch.nonzero(~keep).squeeze(1), 0.0)
+    return loss, probs.mul_(keep[:, None])
 
 
 def vocab_parallel_output_loss(hidden_ND, weight_VD, labels_N, chunk_size, cross_entropy=None):
