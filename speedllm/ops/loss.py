@@ -45,9 +45,15 @@ def _loss_and_grad_(logits_NV: torch.Tensor, labels_N: torch.Tensor):
     loss = -(logprobs.gather(1, targets) * keep).sum()
     probs = logprobs.exp_()
     probs.scatter_add_(1, targets, torch.full(targets.shape, -1.0, device=probs.device))
-    if probs.device.type == "cpu":  # zero the rows without a label only, not a pass over every logit
-        return loss, probs.index_fill_(0, torch.nonzero(~keep.squeeze(1)).squeeze(1), 0.0)
-    return loss, probs.mul_(keep)  # on an accelerator: no host sync for the row indices
+    return loss, zero_unlabeled_(probs, keep.squeeze(1))
+
+
+def zero_unlabeled_(grad_NV: torch.Tensor, keep_N: torch.Tensor) -> torch.Tensor:
+    """grad_NV with the rows of tokens without a label (keep_N False) zeroed in place: on CPU those rows only, not
+    a pass over every logit; on an accelerator a mask multiply (no host sync for the row indices)."""
+    if grad_NV.device.type == "cpu":
+        return grad_NV.index_fill_(0, torch.nonzero(~keep_N).squeeze(1), 0.0)
+    return grad_NV.mul_(keep_N[:, None])
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):

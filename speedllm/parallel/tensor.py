@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from speedllm.ops import IGNORE_INDEX
-from speedllm.ops.loss import ChunkedLinearCrossEntropy
+from speedllm.ops.loss import ChunkedLinearCrossEntropy, zero_unlabeled_
 
 
 def root_plan(sequence_parallel: bool) -> dict:
@@ -149,9 +149,7 @@ def _vocab_parallel_chunk(logits, labels_N, vocab_start, group):
     loss = ((sums[0].log() + max_N - sums[1]) * keep).sum()
     probs.div_(sums[0][:, None])
     probs.scatter_add_(1, local_labels, -mine.float()[:, None])
-    if probs.device.type == "cpu":  # zero the rows without a label only (as speedllm.ops.loss does)
-        return loss, probs.index_fill_(0, torch.nonzero(~keep).squeeze(1), 0.0)
-    return loss, probs.mul_(keep[:, None])
+    return loss, zero_unlabeled_(probs, keep)
 
 
 def vocab_parallel_output_loss(hidden_ND, weight_VD, labels_N, chunk_size, cross_entropy=None):
