@@ -292,6 +292,33 @@ class DpoConfig:
 
 
 @dataclass
+class RLConfig:
+    """task=grpo: reinforcement learning with verifiable rewards (docs/tasks/grpo.md says which settings are which
+    paper's method)."""
+
+    group_size: int = 8  # completions sampled per prompt (the group its advantages are relative to)
+    prompts_per_step: int = 8
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    ppo_epochs: int = 1  # passes over each step's rollouts
+    mini_batches: int = 1  # optimizer steps per pass (the rollouts split into this many)
+    kl_coef: float = 0.0  # KL to the reference model (k3); 0: no reference model is built
+    clip_low: float = 0.2
+    clip_high: float = 0.2  # DAPO's clip-higher: 0.28
+    advantage_std_norm: bool = True  # divide by the group's reward std (GRPO); false: Dr. GRPO
+    loss_agg: str = "seq_mean"  # seq_mean (GRPO) | token_mean (DAPO) | constant (Dr. GRPO: / rows x max_new_tokens)
+    importance: str = "token"  # token | sequence (GSPO)
+    dynamic_sampling: bool = False  # DAPO: groups whose rewards are all equal are replaced by fresh prompts
+    max_resample: int = 4  # dynamic sampling: extra rollouts per step at most before it trains on what it has
+    overlong_buffer: int = 0  # DAPO's overlong penalty over the last this-many tokens before max_new_tokens; 0: off
+    overlong_penalty: float = 1.0  # the penalty at max_new_tokens (linear from 0 over the buffer)
+    router_replay: Optional[bool] = None  # MoE: train with the rollout's experts; None: on for MoE models
+    rewards: List[Any] = field(default_factory=list)  # [{_target_: module.fn, weight: 1.0}, ...], TRL's signature
+    num_samples: int = 2  # completions printed (with their rewards) every train.log_every
+
+
+@dataclass
 class PlanConfig:
     top: int = 10  # rows of the ranked table
     show_rejected: int = 10
@@ -327,6 +354,7 @@ class RunConfig:
     dryrun: DryrunConfig = field(default_factory=DryrunConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     seed: int = 1234
     run_dir: str = "${hydra:runtime.output_dir}"
 
