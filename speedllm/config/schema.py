@@ -54,7 +54,7 @@ class QuantConfig:
 class TaskConfig:
     """What the run does: conf/task/<name>.yaml names the callable `_target_(cfg, rt)` that runs it."""
 
-    name: str = "pretrain"  # pretrain | sft | dpo | generate | chat | serve | evaluate | preprocess | convert | plan | dryrun | doctor
+    name: str = "pretrain"  # pretrain | sft | dpo | grpo | generate | chat | serve | evaluate | preprocess | convert | plan | dryrun | doctor
     _target_: str = "speedllm.tasks.pretrain.run"
     # planning or converting between machines: one process, no devices (the world size is not launched)
     in_process: bool = False

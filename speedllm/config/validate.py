@@ -53,6 +53,8 @@ CHOICES = {
     "quant.name": QUANT_NAMES,
     "finetune.name": ("full", "lora", "qlora"),
     "evaluate.split": ("train", "valid", "test"),
+    "rl.loss_agg": ("seq_mean", "token_mean", "constant"),
+    "rl.importance": ("token", "sequence"),
 }
 LORA_TARGETS = (*PROJECTIONS, "experts")
 
@@ -232,7 +234,7 @@ def check_outputs(cfg: DictConfig) -> None:
         if path is not None and str(path).endswith(("/", os.sep)):
             raise UserError(f"{key}={path} ends in '/', a folder; {key} names a file, e.g. {key}={path}"
                             f"{'corpus' if key == 'data.output_prefix' else 'out.jsonl'}")
-    if task in ("pretrain", "sft", "dpo"):  # every training run saves (at the end, or when stopped early)
+    if task in ("pretrain", "sft", "dpo", "grpo"):  # every training run saves (at the end, or when stopped early)
         check_writable("checkpoint.dir", ck.dir, directory=True)
     if task == "preprocess":
         patterns = [d.input] if isinstance(d.input, str) else list(d.input)
@@ -588,6 +590,8 @@ def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
     check_batch(cfg)
     check_quant(cfg)
     check_finetune(cfg)
+    if cfg.task.name == "grpo":
+        check_rl(cfg)
     if cfg.task.name != "plan":
         isa()  # SPEEDLLM_CPU_ISA, where set, names a kernel path this CPU runs
         check_world(cfg, world_size)
@@ -604,3 +608,59 @@ def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
             check_vocab(cfg)
     if cfg.task.inference:
         check_inputs(cfg)
+
+
+def check_rl(cfg: DictConfig) -> None:
+    """task=grpo: the rl settings against each other and the layout, the reward functions, and the prompts (read
+    and tokenized here, so a bad record stops the run before any rank starts)."""
+    from hydra.utils import get_method
+
+    rl, p = cfg.rl, cfg.parallel
+    if rl.group_size < 2:
+        raise UserError(f"rl.group_size={rl.group_size}: every advantage would be zero (a reward minus the mean of "
+                        "its own group); use rl.group_size >= 2")
+    for key in ("prompts_per_step", "max_new_tokens", "ppo_epochs", "mini_batches"):
+        if rl[key] < 1:
+            raise UserError(f"rl.{key}={rl[key]} must be at least 1")
+    if not (rl.temperature > 0 and 0 < rl.top_p <= 1 and 0 <= rl.clip_low < 1 and rl.clip_high >= 0
+            and rl.kl_coef >= 0 and rl.overlong_buffer >= 0 and rl.max_resample >= 0):
+        raise UserError(f"rl.temperature={rl.temperature} must be > 0, rl.top_p={rl.top_p} in (0, 1], rl.clip_low="
+                        f"{rl.clip_low} in [0, 1), rl.clip_high={rl.clip_high}, rl.kl_coef={rl.kl_coef}, "
+                        f"rl.overlong_buffer={rl.overlong_buffer} and rl.max_resample={rl.max_resample} >= 0")
+    if p.pp > 1:
+        raise UserError(f"task=grpo does not run on pipeline stages (parallel.pp={p.pp}); use parallel.pp=1")
+    if rl.prompts_per_step % p.dp:
+        raise UserError(f"rl.prompts_per_step={rl.prompts_per_step} must be divisible by parallel.dp={p.dp} (each "
+                        f"data-parallel rank samples its share); use a multiple of {p.dp}")
+    rows = rl.prompts_per_step // p.dp * rl.group_size
+    if rows % rl.mini_batches:
+        raise UserError(f"rl.mini_batches={rl.mini_batches} must divide the {rows} completions of a rank "
+                        f"(rl.prompts_per_step / parallel.dp x rl.group_size)")
+    if rl.router_replay and not cfg.model.num_experts:
+        raise UserError(f"rl.router_replay=true: model {cfg.model.name} has no experts; leave rl.router_replay unset")
+    if cfg.model.num_experts and rl.router_replay is not False and p.tp > 1:
+        raise UserError(f"rl.router_replay under parallel.tp={p.tp}: the MoE blocks route sequence shards; set "
+                        "rl.router_replay=false or use expert parallelism (parallel.ep) instead of tp")
+    if rl.overlong_buffer > rl.max_new_tokens:
+        raise UserError(f"rl.overlong_buffer={rl.overlong_buffer} exceeds rl.max_new_tokens={rl.max_new_tokens}; "
+                        "use a smaller buffer")
+    if not rl.rewards:
+        raise UserError("task=grpo needs reward functions: rl.rewards=[{_target_: module.fn, weight: 1.0}]")
+    for i, entry in enumerate(rl.rewards):
+        if not OmegaConf.is_dict(entry) or "_target_" not in entry:
+            raise UserError(f"rl.rewards[{i}]={entry} needs _target_: module.fn (and optionally weight)")
+        try:
+            get_method(entry["_target_"])
+        except Exception as e:  # hydra wraps import and attribute errors alike
+            raise UserError(f"rl.rewards[{i}]._target_={entry['_target_']} cannot be imported "
+                            f"({str(e).splitlines()[0]}); name a function module.fn on the Python path") from None
+        if not _finite(entry.get("weight", 1.0)):
+            raise UserError(f"rl.rewards[{i}].weight={entry.get('weight')} must be a finite number")
+    if cfg.data.input is None:
+        raise UserError("task=grpo needs data.input=<json/jsonl of {prompt, ...} records> (or data=rl_demo)")
+    from speedllm.data.prompts import load_prompts
+    from speedllm.data.tokenizer import load_tokenizer
+    from speedllm.models.rope import max_positions
+
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.trust_remote_code)
+    load_prompts(cfg.data.input, tokenizer, max_positions(cfg.model) - rl.max_new_tokens, rl.max_new_tokens)

@@ -189,3 +189,26 @@ def completion_logprobs(model: nn.Module, ro: Rollout, temperature: float) -> tu
         logits_NCV = model(ro.tokens, position_ids=ro.position_ids, attention_mask=ro.attention_mask)
     logprobs_NC, entropy_NC = token_logprobs(logits_NCV, ro.tokens[:, P:], temperature)
     return logprobs_NC * ro.completion_mask, entropy_NC * ro.completion_mask
+
+
+def concat(parts: Sequence[Rollout], pad_id: int) -> Rollout:
+    """The rows of several rollouts as one: prompts left-padded to the widest, completions right-padded."""
+    P = max(p.prompt_width for p in parts)
+    C = max(p.completion_mask.shape[1] for p in parts)
+
+    def widen(x, left: int, right: int, value):
+        return torch.nn.functional.pad(x, (left, right), value=value)
+
+    out = []
+    for p in parts:
+        left, right = P - p.prompt_width, C - p.completion_mask.shape[1]
+        routes = None
+        if p.routes is not None:
+            routes = torch.nn.functional.pad(p.routes, (0, 0, left, right), value=-1)
+        out.append(Rollout(widen(p.tokens, left, right, pad_id), widen(p.attention_mask, left, right, 0),
+                           widen(p.position_ids, left, right, 0), p.prompt_lens, widen(p.completion_mask, 0, right, 0),
+                           widen(p.logprobs, 0, right, 0), p.truncated, routes))
+    routes = None if out[0].routes is None else torch.cat([o.routes for o in out], dim=1)
+    return Rollout(*(torch.cat([getattr(o, f) for o in out]) for f in
+                     ("tokens", "attention_mask", "position_ids", "prompt_lens", "completion_mask", "logprobs",
+                      "truncated")), routes)

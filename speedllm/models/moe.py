@@ -114,14 +114,14 @@ class Routes:
     """The experts each token of one MoE layer is sent to, for a rollout and its training forward (router replay).
 
     Recording (`given` None): every forward's top-k expert ids are kept, [B, S, k] each, in `recorded`.
-    Replaying: `given` [B, S, k] expert ids (-1 in a token's row: the router's own choice) replace the top-k of
-    the next forwards (a recompute under activation checkpointing gets the same); the router's probabilities
-    of the given experts weight them, so the router still learns. `changed` counts the real tokens (token_mask)
-    whose own top-k set differs from the given one: the routes replay kept from changing.
+    Comparing (`given` [B, S, k] expert ids, -1 in a token's row: none): `changed` counts the real tokens
+    (token_mask) whose own top-k set differs from the given one. With `impose`, the given experts also replace
+    the top-k in the next forwards (a recompute under activation checkpointing gets the same), weighted by the
+    router's probabilities of them, so the router still learns: `changed` then counts the routes replay kept.
     """
 
-    def __init__(self, given: Optional[torch.Tensor] = None):
-        self.given = given
+    def __init__(self, given: Optional[torch.Tensor] = None, impose: bool = True):
+        self.given, self.impose = given, impose
         self.recorded = []
         self.changed = torch.zeros((), dtype=torch.long)
 
@@ -135,7 +135,7 @@ class Routes:
         if token_mask is not None:
             differs_N &= token_mask.reshape(-1).bool()
         self.changed = self.changed.to(experts_Nk.device) + differs_N.sum()
-        return torch.where(use_N[:, None], given_Nk, experts_Nk)
+        return torch.where(use_N[:, None], given_Nk, experts_Nk) if self.impose else experts_Nk
 
 
 def moe_layers(model: nn.Module) -> list:
@@ -152,10 +152,11 @@ def record_routes(model: nn.Module):
 
 
 @contextlib.contextmanager
-def replay_routes(model: nn.Module, given_LBSk: torch.Tensor):
+def replay_routes(model: nn.Module, given_LBSk: torch.Tensor, impose: bool = True):
     """Forwards (and backwards) inside the block route each token to the experts `given_LBSk` [MoE layers, B, S, k]
-    names; yields the Routes, whose `changed` counts the routes that would otherwise have changed."""
-    tapes = [Routes(given) for given in given_LBSk]
+    names; yields the Routes, whose `changed` counts the routes that would otherwise have changed. With
+    impose=False the router decides as usual and `changed` counts where it departs from `given_LBSk`."""
+    tapes = [Routes(given, impose) for given in given_LBSk]
     with _routes_set(model, tapes):
         yield tapes
 

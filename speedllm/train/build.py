@@ -78,8 +78,11 @@ class Training(NamedTuple):
     resume_from: Optional[Path]
 
 
-def build_training(cfg, rt: Runtime) -> Training:
-    """The model, optimizer, LR schedule and train-split loader of this rank, restored by train.state.restore."""
+def build_training(cfg, rt: Runtime, loader=None) -> Training:
+    """The model, optimizer, LR schedule and train-split loader of this rank, restored by train.state.restore.
+
+    `loader`: the task's own data source (state_dict / load_state_dict, e.g. task=grpo's prompt order) instead
+    of the train-split loader."""
     from speedllm.data.loader import build_loader
 
     t = cfg.train
@@ -87,7 +90,8 @@ def build_training(cfg, rt: Runtime) -> Training:
     pm = build_model(cfg, rt)
     optimizer = build_optimizer(pm.module, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, t.steps)
-    loader = build_loader(cfg, "train", dp_rank, dp_size, t.micro_batch_size, t.seq_len, cfg.seed)
+    if loader is None:
+        loader = build_loader(cfg, "train", dp_rank, dp_size, t.micro_batch_size, t.seq_len, cfg.seed)
     autocast = autocast_for(cfg, pm, rt.device)
     step, resume_from = restore(cfg, rt, pm, optimizer, scheduler, loader)
     if cfg.parallel.offload == "optimizer":  # a checkpoint's states were loaded onto the device

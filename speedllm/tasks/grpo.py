@@ -1,0 +1,319 @@
+"""task=grpo: reinforcement learning with verifiable rewards (GRPO and its variants) on the training model itself.
+
+Each step, read top to bottom:
+1. draw rl.prompts_per_step prompts (speedllm.data.prompts.PromptOrder); each data-parallel rank takes its share;
+2. sample rl.group_size completions of each with the training model, under its training layout, through the KV
+   cache (speedllm.generation.rollout: no weight copy), recording their log-probabilities (and MoE routes);
+3. score every completion of every rank with each rl.rewards function (TRL's signature) on every rank, so a
+   reward that fails stops all ranks with the same one line; group-relative advantages
+   (speedllm.train.policy_loss); DAPO's dynamic sampling replaces groups whose rewards are all equal;
+4. the reference model's log-probabilities (rl.kl_coef > 0: a frozen copy, or the policy with its adapters off);
+5. rl.ppo_epochs x rl.mini_batches clipped policy-gradient updates, the rollout's log-probabilities as the old
+   policy; for MoE the rollout's experts are replayed (rl.router_replay). The LR schedule steps once per step.
+
+Prompt draws and sampling are seeded by (seed, draw number): a resume samples what the straight run samples, and
+a data-parallel split samples what one process does. Runs without pipeline stages (parallel.pp=1).
+
+Letters: N rows (this rank's completions), C completion columns, F reward functions, G group size.
+"""
+
+import contextlib
+import functools
+import math
+import time
+from typing import List
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from hydra.utils import get_method
+from omegaconf import OmegaConf
+
+from speedllm.adapters.lora import adapters_disabled
+from speedllm.checkpoint.dcp import Checkpointer
+from speedllm.checkpoint.hf import load_hf_weights
+from speedllm.data.prompts import PromptOrder, load_prompts
+from speedllm.data.tokenizer import load_tokenizer, pad_id_of, stop_ids_of
+from speedllm.errors import UserError
+from speedllm.generation.rollout import Rollout, completion_logprobs, concat, policy_temperature, rollout
+from speedllm.generation.sampling import Sampling
+from speedllm.hardware import DTYPES
+from speedllm.models.moe import replay_routes
+from speedllm.models.rope import max_positions
+from speedllm.parallel import clip_grad_norm
+from speedllm.parallel.offload import optimizer_step
+from speedllm.runtime import Runtime, seed_everything
+from speedllm.train.build import build_model, build_training
+from speedllm.train.faults import Preemption
+from speedllm.train.metrics import MetricsLogger
+from speedllm.train.policy_loss import group_advantages, policy_loss
+from speedllm.train.rewards import length_penalty
+from speedllm.train.state import extra_state
+
+
+def build_rewards(rl) -> list:
+    """(name, fn, weight) of each rl.rewards entry (other keys bound as keyword arguments), plus DAPO's overlong
+    penalty when rl.overlong_buffer > 0."""
+    rewards = []
+    for entry in rl.rewards:
+        entry = dict(OmegaConf.to_container(entry, resolve=True)) if OmegaConf.is_config(entry) else dict(entry)
+        target, weight = entry.pop("_target_"), float(entry.pop("weight", 1.0))
+        fn = get_method(target)
+        rewards.append((target.rsplit(".", 1)[-1], functools.partial(fn, **entry) if entry else fn, weight))
+    if rl.overlong_buffer > 0:
+        rewards.append(("overlong", functools.partial(length_penalty, max_tokens=rl.max_new_tokens,
+                                                      buffer=rl.overlong_buffer, penalty=rl.overlong_penalty), 1.0))
+    return rewards
+
+
+def score(rewards: list, prompts: list, completions: list, columns: dict, prompt_of_row: List[int]) -> torch.Tensor:
+    """rewards_NF: each function's rewards for every row; a function that raises, returns the wrong number of
+    values, or a None / NaN is one line naming it and the prompt (its index in data.input)."""
+    out = []
+    for name, fn, _ in rewards:
+        try:
+            values = fn(prompts, completions, **columns)
+        except Exception as e:  # a user's function: any failure is theirs to fix
+            raise UserError(f"rl.rewards: {name} raised {type(e).__name__}: {e} (on the completions of prompts "
+                            f"{sorted(set(prompt_of_row))}) — fix the function") from None
+        if values is None or len(values) != len(completions):
+            raise UserError(f"rl.rewards: {name} returned {'None' if values is None else len(values)} values for "
+                            f"{len(completions)} completions — return one float per completion")
+        for row, value in enumerate(values):
+            if value is None or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise UserError(f"rl.rewards: {name} returned {value!r} for a completion of prompt "
+                                f"{prompt_of_row[row]} (row {row}) — return a finite float for every completion")
+        out.append(torch.tensor(values, dtype=torch.float32))
+    return torch.stack(out, dim=1)
+
+
+def prompt_seed(seed: int, draw: int) -> int:
+    """The sampling seed of a prompt draw (a run's draws never share one)."""
+    return int(np.random.SeedSequence([seed, draw]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def gather_lists(values: list, group) -> list:
+    """The concatenation of every data-parallel rank's `values`, in rank order."""
+    if group is None:
+        return values
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, values, group=group)
+    return [v for part in parts for v in part]
+
+
+def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+class Sampler:
+    """Rollouts and rewards of this rank: its share of a batch of prompt draws, scored globally."""
+
+    def __init__(self, cfg, rt, data, tokenizer, rewards, order):
+        self.cfg, self.rl, self.data, self.tokenizer, self.rewards, self.order = cfg, cfg.rl, data, tokenizer, \
+            rewards, order
+        self.dp_rank, self.dp_size, self.dp_group = rt.dims.coords("dp")
+        self.world = dist.group.WORLD if rt.world_size > 1 else None
+        self.device = rt.device
+        self.stop_ids, self.pad_id = stop_ids_of(tokenizer), pad_id_of(tokenizer)
+        self.sampling = Sampling(temperature=float(cfg.rl.temperature), top_p=float(cfg.rl.top_p))
+        self.dtype = DTYPES[cfg.hardware.dtype]
+
+    def sample(self, model) -> tuple:
+        """(Rollout of this rank's rows, rewards_NF of all rows, this rank's first row, completion texts of all
+        rows, prompt index of all rows) for the next rl.prompts_per_step draws."""
+        rl = self.rl
+        first_draw = self.order.taken
+        prompt_ids = self.order.take(rl.prompts_per_step)
+        share = rl.prompts_per_step // self.dp_size
+        lo = self.dp_rank * share
+        mine = prompt_ids[lo:lo + share]
+        generators = [torch.Generator(device=self.device).manual_seed(prompt_seed(self.cfg.seed, first_draw + lo + i))
+                      for i in range(share)]
+        was_training = model.training
+        model.eval()
+        ro = rollout(model, [self.data.ids[i] for i in mine], rl.group_size, rl.max_new_tokens, self.sampling,
+                     generators, self.stop_ids, self.pad_id, self.dtype, tp=self.cfg.parallel.tp, group=self.world)
+        model.train(was_training)
+        ids = gather_lists(ro.completion_ids(), self.dp_group)
+        prompt_of_row = [i for i in prompt_ids for _ in range(rl.group_size)]
+        texts = [self.tokenizer.decode([t for t in row if t not in self.stop_ids], skip_special_tokens=True)
+                 for row in ids]
+        prompts = [self.data.prompts[i] for i in prompt_of_row]
+        completions = [t if isinstance(p, str) else [{"role": "assistant", "content": t}]
+                       for p, t in zip(prompts, texts)]
+        columns = {k: [v[i] for i in prompt_of_row] for k, v in self.data.columns.items()}
+        rewards_NF = score(self.rewards, prompts, completions, {**columns, "completion_ids": ids}, prompt_of_row)
+        return ro, rewards_NF, lo * rl.group_size, texts, prompt_of_row
+
+
+def refill(sampler: Sampler, model, ro: Rollout, advantages_N, rewards_N, weights, world) -> tuple:
+    """DAPO's dynamic sampling on this rank: its groups whose rewards are all equal (no advantage, no gradient)
+    are replaced by groups of fresh draws with unequal rewards, from up to rl.max_resample more rollouts (all
+    ranks roll out together while any rank still lacks groups); groups still missing stay as they were."""
+    G, rl = sampler.rl.group_size, sampler.rl
+    want = ro.tokens.shape[0] // G
+
+    def split(part: Rollout, adv_N, first_row: int, rewards_all):
+        mine = rewards_all[first_row:first_row + part.tokens.shape[0]].view(-1, G)
+        live = (mine.std(dim=1) > 0).repeat_interleave(G)
+        return part.select(live.nonzero().squeeze(1)), adv_N[live], part.select((~live).nonzero().squeeze(1)), \
+            adv_N[~live]
+
+    kept, kept_adv, dropped, dropped_adv = split(ro, advantages_N, sampler.dp_rank * want * G, rewards_N)
+    parts, advs = [kept], [kept_adv]
+    have = kept.tokens.shape[0] // G
+    for _ in range(rl.max_resample):
+        if not all_reduce(torch.tensor(float(want - min(have, want))), world, dist.ReduceOp.MAX):
+            break
+        new, rewards_NF, first_row, _, _ = sampler.sample(model)
+        total = rewards_NF @ weights
+        new_adv = group_advantages(total, G, rl.advantage_std_norm)[first_row:first_row + new.tokens.shape[0]]
+        good, good_adv, _, _ = split(new, new_adv, first_row, total)
+        take = min(want - have, good.tokens.shape[0] // G) * G if have < want else 0
+        parts.append(good.select(slice(0, take)))
+        advs.append(good_adv[:take])
+        have += take // G
+    short = (want - have) * G
+    parts.append(dropped.select(slice(0, short)))
+    advs.append(dropped_adv[:short])
+    parts = [p for p in parts if p.tokens.shape[0] > 0]
+    return concat(parts, sampler.pad_id), torch.cat(advs)
+
+
+def rl_update(pm, ro: Rollout, advantages_N, ref_NC, optimizer, cfg, dp_group, world, autocast, replay: bool) -> dict:
+    """rl.ppo_epochs x rl.mini_batches optimizer steps on this rank's rows; returns the step's metrics."""
+    rl, model = cfg.rl, pm.module
+    N = ro.tokens.shape[0]
+    size = N // rl.mini_batches
+    temperature = float(policy_temperature(Sampling(temperature=float(rl.temperature))))
+    totals = torch.zeros(5)  # loss, KL sum, clipped tokens, tokens, entropy sum
+    changed, grad_norms = torch.zeros((), dtype=torch.long), []
+    diff = torch.zeros(())
+    for epoch in range(rl.ppo_epochs):
+        for m in range(rl.mini_batches):
+            rows = slice(m * size, (m + 1) * size)
+            part = ro.select(rows)
+            counts = all_reduce(torch.tensor([float(size), float(part.completion_mask.sum())]), dp_group)
+            routes = replay_routes(model, part.routes, impose=replay) if part.routes is not None \
+                else contextlib.nullcontext([])
+            with routes as tapes:
+                with autocast:
+                    logprobs, entropy = completion_logprobs(model, part, temperature)
+                loss, stats = policy_loss(logprobs, part.logprobs, None if ref_NC is None else ref_NC[rows],
+                                          advantages_N[rows], part.completion_mask, rl, counts[0], counts[1])
+                loss.backward()
+            if epoch == 0 and m == 0:
+                diff = ((logprobs.detach() - part.logprobs).abs() * part.completion_mask).max()
+                changed = sum((t.changed.cpu() for t in tapes), changed)
+            grad_norm = clip_grad_norm(pm, cfg.train.grad_clip)
+            if math.isfinite(loss.item()) and bool(torch.isfinite(grad_norm)):
+                optimizer_step(optimizer, cfg.parallel.offload)
+            optimizer.zero_grad(set_to_none=True)
+            grad_norms.append(grad_norm.item())
+            totals += torch.cat([loss.detach().reshape(1), stats.detach(), entropy.sum().detach().reshape(1)]).cpu()
+    all_reduce(totals, dp_group)
+    all_reduce(diff, world, dist.ReduceOp.MAX)
+    all_reduce(changed, dp_group)
+    updates = rl.ppo_epochs * rl.mini_batches
+    tokens = float(totals[3])
+    out = {"loss": float(totals[0]) / updates, "grad_norm": sum(grad_norms) / len(grad_norms),
+           "rl/kl": float(totals[1]) / tokens, "rl/clip_frac": float(totals[2]) / tokens,
+           "rl/entropy": float(totals[4]) / tokens, "rl/logprob_diff": float(diff)}
+    if ro.routes is not None:
+        out["rl/changed_routes"] = 0 if replay else int(changed)
+        out["rl/replayed_routes"] = int(changed) if replay else 0
+    return out
+
+
+def reference_logprobs(pm, reference, ro: Rollout, cfg, autocast):
+    """The reference policy's log-probabilities of the rollout's completions (None when rl.kl_coef = 0)."""
+    if cfg.rl.kl_coef == 0.0:
+        return None
+    temperature = policy_temperature(Sampling(temperature=float(cfg.rl.temperature)))
+    model = pm.module if reference is None else reference
+    with torch.no_grad(), autocast, adapters_disabled() if reference is None else contextlib.nullcontext():
+        logprobs, _ = completion_logprobs(model, ro, temperature)
+    return logprobs
+
+
+def run(cfg, rt: Runtime) -> None:
+    """task=grpo: train the policy on the prompts of data.input with the rewards of rl.rewards."""
+    rl, t, ck = cfg.rl, cfg.train, cfg.checkpoint
+    _, dp_size, dp_group = rt.dims.coords("dp")
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.trust_remote_code)
+    data = load_prompts(cfg.data.input, tokenizer, max_positions(cfg.model) - rl.max_new_tokens, rl.max_new_tokens)
+    rewards = build_rewards(rl)
+    reference = None
+    if rl.kl_coef != 0.0 and cfg.finetune.name == "full":  # the starting weights, frozen, as in task=dpo
+        seed_everything(cfg.seed)
+        reference = build_model(cfg, rt).module
+        if ck.load_hf is not None:
+            load_hf_weights(reference, ck.load_hf)
+        reference.requires_grad_(False)
+    seed_everything(cfg.seed)
+    order = PromptOrder(len(data.ids), cfg.seed)
+    pm, optimizer, scheduler, _, autocast, step, _ = build_training(cfg, rt, loader=order)
+    model = pm.module
+    replay = bool(model.has_moe and (rl.router_replay is None or rl.router_replay))
+    sampler = Sampler(cfg, rt, data, tokenizer, rewards, order)
+    world = dist.group.WORLD if rt.world_size > 1 else None
+    logger = MetricsLogger(cfg.run_dir, t.steps, step, rt.is_main, cfg.logging.tensorboard, cfg.logging.progress_bar)
+    checkpointer = Checkpointer(ck.dir, ck.keep, ck.async_save)
+    stop_at = min(t.steps, step + t.stop_after) if t.stop_after > 0 else t.steps
+    last_saved = None
+
+    def checkpoint() -> None:
+        checkpointer.save(step, model, optimizer, extra_state(step, scheduler, order, rt.device), cfg)
+
+    try:
+        with Preemption() as preemption:
+            while step < stop_at:
+                lr = scheduler.get_last_lr()[0]
+                start = time.perf_counter()
+                ro, rewards_NF, first_row, texts, prompt_of_row = sampler.sample(model)
+                rollout_s = time.perf_counter() - start
+                weights = torch.tensor([w for _, _, w in rewards])
+                total_N = rewards_NF @ weights
+                advantages = group_advantages(total_N, rl.group_size, rl.advantage_std_norm)
+                zero_groups = float((total_N.view(-1, rl.group_size).std(dim=1) == 0).float().mean())
+                N = ro.tokens.shape[0]
+                if rl.dynamic_sampling:
+                    ro, advantages = refill(sampler, model, ro, advantages[first_row:first_row + N], total_N,
+                                            weights, world)
+                else:
+                    advantages = advantages[first_row:first_row + N]
+                lengths = torch.tensor([float(len(x)) for x in gather_lists(ro.completion_ids(), dp_group)])
+                start = time.perf_counter()
+                ref = reference_logprobs(pm, reference, ro, cfg, autocast)
+                metrics = rl_update(pm, ro, advantages.to(rt.device), ref, optimizer, cfg, dp_group, world,
+                                    autocast, replay)
+                update_s = time.perf_counter() - start
+                scheduler.step()
+                step += 1
+                logger.advance(step)
+                tokens = float(lengths.sum())
+                metrics |= {"rl/reward": float(total_N.mean()),
+                            **{f"rl/reward/{name}": float(rewards_NF[:, f].mean())
+                               for f, (name, _, _) in enumerate(rewards)},
+                            "rl/response_len": float(lengths.mean()), "rl/response_len_max": float(lengths.max()),
+                            "rl/clipped_share": float((lengths >= rl.max_new_tokens).float().mean()),
+                            "rl/zero_adv_groups": zero_groups, "rl/rollout_tokens_per_s": tokens / rollout_s,
+                            "rl/update_tokens_per_s": tokens * rl.ppo_epochs / update_s, "lr": lr}
+                logger.log(step, metrics)
+                if step % t.log_every == 0 or step == stop_at:
+                    for row in range(0, min(rl.num_samples * rl.group_size, len(texts)), rl.group_size):
+                        logger.message(f"  sample (prompt {prompt_of_row[row]}, reward {float(total_N[row]):.3g}): "
+                                       f"{texts[row]!r}")
+                if ck.every > 0 and step % ck.every == 0:
+                    checkpoint()
+                    last_saved = step
+                if preemption.any_rank(rt.device):
+                    logger.message(f"SIGTERM: saving a checkpoint at step {step} and exiting")
+                    break
+        if last_saved != step and (ck.save_final or step < t.steps):
+            checkpoint()
+        checkpointer.close()
+    finally:
+        logger.close()
