@@ -12,6 +12,7 @@ import os
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from speedllm import storage
 from speedllm.checkpoint.dcp import read_saved_config, resolve_load
 from speedllm.config.validate import validate_values
 from speedllm.errors import UserError
@@ -140,10 +141,10 @@ def adopt_checkpoint_config(cfg: DictConfig) -> bool:
     if path is None:
         raise UserError(f"checkpoint.load={ck.load}: no checkpoint there yet; point it at a step_* directory or a "
                         "checkpoints directory")
-    frozen = path / "config.yaml"
+    frozen = storage.join(path, "config.yaml")
     with open_dict(cfg):
         ck.load = str(path)
-        if not frozen.is_file():
+        if not storage.is_file(frozen):
             return False
         saved = read_saved_config(path)
         if saved.model != cfg.model:

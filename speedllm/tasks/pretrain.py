@@ -6,8 +6,8 @@ SFT is the same loop; its loader masks every label outside the assistant turns w
 
 import math
 import time
-from pathlib import Path
 
+from speedllm import storage
 from speedllm.checkpoint.dcp import Checkpointer, latest_checkpoint
 from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.build import build_training, grad_accum_steps, to_device
@@ -81,7 +81,7 @@ def run(cfg, rt: Runtime) -> None:
         checkpointer.close()
     finally:
         logger.close()
-    root = Path(ck.dir).absolute()
+    root = storage.absolute(ck.dir)
     if rt.is_main and latest_checkpoint(str(root)) is not None:
         print(f"checkpoint: {latest_checkpoint(str(root))}\n"
               f"  generate: python launch.py task=generate checkpoint.load={root} generate.prompt=\"ROMEO:\"\n"

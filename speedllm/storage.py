@@ -1,0 +1,185 @@
+"""Files by local path or by URL: the one module that knows about storage protocols.
+
+A local path stays a `pathlib.Path` and goes through the ordinary file functions, so local runs behave exactly as
+they always did. A URL (`s3://bucket/run`, `gs://...`, `file:///...`, `memory://...`) goes through fsspec; its
+protocol's package is an extra (`pip install 'speedllm[s3]'` brings s3fs). Credentials and endpoints are never ours:
+the protocol's package reads them from the environment or its usual config (for S3: AWS_ACCESS_KEY_ID /
+AWS_SECRET_ACCESS_KEY or ~/.aws, AWS_ENDPOINT_URL for an S3-compatible store). Object stores have no rename, so
+what must appear whole is written as one object (`write_text`), and a run marks what it finished by writing a
+pointer last.
+"""
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+from typing import List, Union
+
+from speedllm.errors import UserError, one_line
+from speedllm.outputs import write_text_atomic
+
+Location = Union[str, Path]
+
+# protocol -> the extra that installs its fsspec implementation (the others: see fsspec's known_implementations)
+EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+
+
+def is_url(path: Location) -> bool:
+    return "://" in str(path)
+
+
+def location(path: Location) -> Location:
+    """A local path as a Path (as before), a URL as its string (pathlib would fold its '//')."""
+    return str(path).rstrip("/") if is_url(path) else Path(path)
+
+
+def absolute(path: Location) -> Location:
+    return location(path) if is_url(path) else Path(path).absolute()
+
+
+def join(base: Location, *names: str) -> Location:
+    if is_url(base):
+        return "/".join([str(base).rstrip("/"), *names])
+    return Path(base).joinpath(*names)
+
+
+def name(path: Location) -> str:
+    return str(path).rstrip("/").rsplit("/", 1)[-1] if is_url(path) else Path(path).name
+
+
+def filesystem(url: str, key: str = "path"):
+    """(fsspec filesystem, path inside it) of `url`; an unknown protocol or a missing package is one line."""
+    import fsspec
+
+    protocol = str(url).split("://", 1)[0]
+    try:
+        return fsspec.core.url_to_fs(str(url))
+    except ValueError:
+        raise UserError(f"{key}={url}: unknown storage protocol '{protocol}://'; use a local path or an fsspec URL "
+                        f"(s3://, gs://, file://, memory:// ...)") from None
+    except ImportError as e:
+        extra = EXTRAS.get(protocol)
+        how = f"pip install 'speedllm[{extra}]'" if extra else "install the fsspec package for it"
+        raise UserError(f"{key}={url} needs the '{protocol}://' storage package, which is not installed ({e.name or e}"
+                        f"); {how}") from None
+
+
+def _fs(url: str):
+    fs, path = filesystem(url)
+    fs.invalidate_cache()  # another process may have written since this one last listed
+    return fs, path
+
+
+def exists(path: Location) -> bool:
+    if not is_url(path):
+        return Path(path).exists()
+    fs, p = _fs(path)
+    return fs.exists(p)
+
+
+def is_file(path: Location) -> bool:
+    if not is_url(path):
+        return Path(path).is_file()
+    fs, p = _fs(path)
+    return fs.isfile(p)
+
+
+def glob(pattern: Location) -> List[str]:
+    """The files `pattern` matches, sorted, as paths or URLs of the same kind."""
+    if not is_url(pattern):
+        import glob as globbing
+
+        return sorted(globbing.glob(str(pattern), recursive=True))
+    fs, p = _fs(pattern)
+    return sorted(fs.unstrip_protocol(m) for m in fs.glob(p))
+
+
+def open_file(path: Location, mode: str = "rb"):
+    if not is_url(path):
+        return open(path, mode)
+    fs, p = filesystem(path)
+    return fs.open(p, mode)
+
+
+def read_text(path: Location) -> str:
+    with open_file(path, "r") as f:
+        return f.read()
+
+
+def write_text(path: Location, text: str, key: str) -> None:
+    """The whole file at once: a local one under a temporary name then renamed, a remote one as one object."""
+    if not is_url(path):
+        return write_text_atomic(Path(path), text, key)
+    fs, p = filesystem(path)
+    fs.pipe_file(p, text.encode())
+
+
+def put(local: Path, url: str) -> None:
+    """Upload local file `local` to `url`."""
+    fs, p = filesystem(url)
+    fs.put_file(str(local), p)
+
+
+def list_names(directory: Location) -> List[str]:
+    """The names of the entries directly inside `directory` (none when it does not exist)."""
+    if not is_url(directory):
+        return sorted(p.name for p in Path(directory).iterdir()) if Path(directory).is_dir() else []
+    fs, p = _fs(directory)
+    return sorted(name(e) for e in fs.ls(p, detail=False)) if fs.exists(p) else []
+
+
+def remove(path: Location) -> None:
+    """Delete a directory (or prefix) and everything under it."""
+    if not is_url(path):
+        return shutil.rmtree(path)
+    fs, p = filesystem(path)
+    fs.rm(p, recursive=True)
+
+
+def cached_copy(url: str, cache_dir: Location) -> Path:
+    """A local copy of the remote file `url` in `cache_dir`, downloaded once per version of the file (fsspec's
+    ukey: size and ETag/mtime) under a temporary name and renamed, so concurrent processes may share it."""
+    fs, p = _fs(url)
+    key = hashlib.sha256(f"{url}\n{fs.ukey(p)}".encode()).hexdigest()[:16]
+    local = Path(str(cache_dir)) / "remote" / key / name(url)
+    if not local.is_file():
+        local.parent.mkdir(parents=True, exist_ok=True)
+        tmp = local.with_name(f".{local.name}.tmp{os.getpid()}")
+        fs.get_file(p, str(tmp))
+        os.replace(tmp, local)
+    return local
+
+
+def cached_dir(url: str, cache_dir: Location) -> Path:
+    """A local copy of every file directly inside the remote directory `url` (see cached_copy)."""
+    files = [m for m in glob(join(url, "*")) if is_file(m)]
+    copies = [cached_copy(f, cache_dir) for f in files]
+    folder = Path(str(cache_dir)) / "remote" / hashlib.sha256("\n".join(map(str, copies)).encode()).hexdigest()[:16]
+    folder.mkdir(parents=True, exist_ok=True)
+    for copy in copies:
+        link = folder / copy.name
+        if not link.exists():
+            os.symlink(copy, link)
+    return folder
+
+
+def check(key: str, url: str, must_exist: bool) -> None:
+    """Before any rank starts: `url`'s protocol is known and installed, its bucket (or root) is there, the
+    credentials are accepted, and with `must_exist` the object (or prefix, or glob) itself is there."""
+    fs, p = filesystem(url, key)
+    bucket = p.split("/", 1)[0] if p and not p.startswith("/") else None
+    try:
+        fs.invalidate_cache()
+        if bucket is not None:
+            try:
+                fs.ls(bucket, detail=False)  # raises what exists() hides: no credentials, access refused
+            except FileNotFoundError:
+                raise UserError(f"{key}={url}: bucket '{bucket}' does not exist; create it or choose another") from None
+        if must_exist and not (fs.exists(p) or fs.glob(p)):
+            raise UserError(f"{key}={url} does not exist; check the URL")
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the protocol's own error (no credentials, refused, unreachable)
+        raise UserError(f"{key}={url}: the storage refused or could not be reached ({one_line(e)}); give credentials "
+                        "and endpoint the way the protocol's package reads them (for s3://: AWS_ACCESS_KEY_ID and "
+                        "AWS_SECRET_ACCESS_KEY or ~/.aws, AWS_ENDPOINT_URL for an S3-compatible store)") from None
