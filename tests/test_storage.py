@@ -64,3 +64,55 @@ def test_s3_run_killed_and_resumed_logs_the_local_losses_bit_for_bit(tmp_path, l
     assert remote_latest(s3, root) == "step_00000008"
     assert fs.cat(f"{root}/metrics.jsonl").decode() == (tmp_path / "s3" / "metrics.jsonl").read_text()
     assert fs.cat(f"{root}/config.yaml").decode() == (tmp_path / "s3" / "config.yaml").read_text()
+
+
+def test_an_upload_failing_mid_run_stops_it_in_one_line_and_latest_stays(tmp_path, launch, launch_argv, s3):
+    """The server stops once the first checkpoint is up: the next save fails (tried 3 times), the run stops with
+    one line, `latest` names the last complete checkpoint, and a resume loads that one."""
+    run = [*TINY, "train.steps=40", "checkpoint.every=1", "checkpoint.keep=0"]
+    root = f"{s3.bucket('failing')}/run"
+    proc = start(launch_argv, tmp_path / "run", *run, f"checkpoint.dir=s3://{root}")
+    try:
+        wait_for(proc, lambda: remote_latest(s3, root) is not None, "its first checkpoint")
+        s3.stop()
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        s3.start()
+    errors = [line for line in out.splitlines() if "error" in line.lower()]
+    assert proc.returncode == 2 and len(errors) == 1, out[-3000:]
+    assert re.fullmatch(rf"error: checkpoint.dir: (preparing|writing|publishing) s3://{root}/step_\d+ failed 3 times "
+                        r"\(\w+: .*\); `latest` still names the previous checkpoint - .*", errors[0]), errors[0]
+    latest = remote_latest(s3, root)
+    assert s3.fs().exists(f"{root}/{latest}/.metadata")
+    step = int(latest.split("_")[1])
+    code, out, err = launch(tmp_path / "resumed", *run, f"train.steps={step + 1}", f"checkpoint.dir=s3://{root}",
+                            "checkpoint.load=auto")
+    assert code == 0 and f"resumed from s3://{root}/{latest} at step {step}" in out, out + err
+
+
+LAYOUT = [*TINY, "train.global_batch_size=8", "train.micro_batch_size=2", "train.steps=4"]
+
+
+def test_saved_under_fsdp4_resumed_under_fsdp2_and_dp2_in_the_exact_order(tmp_path, launch, s3):
+    """4 ranks save at step 2 (to s3://); 2-rank fsdp2 and dp2 jobs resume from it: steps 3-4 consume the global
+    samples the uninterrupted fsdp2 run consumed there (its logged consumed_samples: 24, 32), with its losses
+    within 1e-5 relative."""
+    root = f"s3://{s3.bucket('layouts')}/run"
+    code, out, err = launch(tmp_path / "fsdp4", *LAYOUT, "parallel=fsdp4", "train.stop_after=2",
+                            f"checkpoint.dir={root}")
+    assert code == 0, out + err
+    code, out, err = launch(tmp_path / "reference", *LAYOUT, "parallel=fsdp2")
+    assert code == 0, out + err
+    reference = {r["step"]: r for r in metrics(tmp_path / "reference")}
+    assert [reference[s]["consumed_samples"] for s in (1, 2, 3, 4)] == [8, 16, 24, 32]
+    for layout in ("fsdp2", "dp2"):
+        code, out, err = launch(tmp_path / layout, *LAYOUT, f"parallel={layout}", f"checkpoint.load={root}",
+                                f"checkpoint.dir={tmp_path / layout / 'checkpoints'}")
+        assert code == 0 and f"resumed from {root}/step_00000002 at step 2" in out, out + err
+        resumed = metrics(tmp_path / layout)
+        assert [r["step"] for r in resumed] == [3, 4]
+        for r in resumed:
+            assert r["consumed_samples"] == reference[r["step"]]["consumed_samples"]
+            assert r["loss"] == pytest.approx(reference[r["step"]]["loss"], rel=1e-5)

@@ -222,7 +222,8 @@ def _start(root, step: int) -> tuple:
     final = storage.join(root, step_dir_name(step))
     remote = storage.is_url(root)
     tmp = final if remote else Path(root) / f".{final.name}.tmp"
-    if _rank() == 0:
+
+    def attempt() -> None:
         if storage.exists(final) and not storage.exists(storage.join(final, MARKER)):
             raise UserError(f"{final} exists and was not written by SpeedLLM; move it away or choose another "
                             "checkpoint.dir")
@@ -232,6 +233,9 @@ def _start(root, step: int) -> tuple:
             storage.write_text(storage.join(final, MARKER), "", "checkpoint.dir")
         else:
             make_scratch_dir(tmp, "checkpoint.dir")  # replaces one left by a process killed mid-write
+
+    if _rank() == 0:
+        _with_retries(f"preparing {final}", attempt, every_rank=False)
     _barrier()
     return final, tmp
 
@@ -248,6 +252,8 @@ def _with_retries(what: str, attempt, group=None, every_rank: bool = True) -> No
         error = None
         try:
             attempt()
+        except UserError:
+            raise
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - the storage's own errors, whatever they are
             error = _failure(e)
         failed = error is not None

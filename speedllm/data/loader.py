@@ -8,8 +8,9 @@ global step of G calls covers the same samples under any dp_size with the same B
 
 Batches are dicts of int64 tensors [B, S]: `tokens`, `labels` (label of position t is token t+1,
 IGNORE_INDEX where there is no loss), and for packed SFT `position_ids` (restart at 0 per sample) and
-`document_ids` (one id per sample within a row). `state_dict()` is {"consumed_samples": n}: the same on
-every rank and valid under another dp_size as long as n is a multiple of the new B*R.
+`document_ids` (one id per sample within a row). `state_dict()` is {"consumed_samples": n}, the global index
+of the next sample: the same on every rank, so a run resumed under any dp_size, micro batch or global batch goes
+on with sample n, exactly where the uninterrupted run's order is.
 """
 
 import fcntl
@@ -115,13 +116,7 @@ class Loader:
         return {"consumed_samples": self.consumed_samples}
 
     def load_state_dict(self, sd: dict) -> None:
-        n = int(sd["consumed_samples"])
-        if n % (self.micro_batch_size * self.dp_size):
-            raise UserError(
-                f"checkpoint data position {n} samples is not a multiple of micro_batch_size*dp="
-                f"{self.micro_batch_size * self.dp_size} — resume with a batch layout that divides it"
-            )
-        self.consumed_samples = n
+        self.consumed_samples = int(sd["consumed_samples"])
 
 
 def build_loader(cfg, split: str, dp_rank: int, dp_size: int, micro_batch_size: int, seq_len: int, seed: int):

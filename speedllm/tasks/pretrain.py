@@ -63,7 +63,8 @@ def run(cfg, rt: Runtime) -> None:
                     logger.log(step, {
                         "loss": sum(window_losses) / len(window_losses) if window_losses else math.nan,
                         "lr": lr,
-                        "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+                        "grad_norm": grad_norm, "consumed_samples": loader.consumed_samples,
+                        "tokens_per_s": tokens_per_s,
                         "tflops": tokens_per_s * flops_tok / rt.world_size / 1e12, "mfu": achieved,
                         "peak_mem_gb": peak_memory_gb(rt.device), "skipped_steps": bad.total, **expert_load})
                     window_losses, window_time, window_steps = [], 0.0, 0
