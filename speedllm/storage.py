@@ -9,11 +9,13 @@ what must appear whole is written as one object (`write_text`), and a run marks 
 pointer last.
 """
 
+import contextlib
 import hashlib
 import os
 import shutil
+import tempfile
 from pathlib import Path
-from typing import List, Union
+from typing import Iterator, List, Union
 
 from speedllm.errors import UserError, one_line
 from speedllm.outputs import write_text_atomic
@@ -136,31 +138,81 @@ def remove(path: Location) -> None:
     fs.rm(p, recursive=True)
 
 
-def cached_copy(url: str, cache_dir: Location) -> Path:
-    """A local copy of the remote file `url` in `cache_dir`, downloaded once per version of the file (fsspec's
-    ukey: size and ETag/mtime) under a temporary name and renamed, so concurrent processes may share it."""
-    fs, p = _fs(url)
-    key = hashlib.sha256(f"{url}\n{fs.ukey(p)}".encode()).hexdigest()[:16]
-    local = Path(str(cache_dir)) / "remote" / key / name(url)
-    if not local.is_file():
-        local.parent.mkdir(parents=True, exist_ok=True)
-        tmp = local.with_name(f".{local.name}.tmp{os.getpid()}")
-        fs.get_file(p, str(tmp))
-        os.replace(tmp, local)
-    return local
+def cached_files(urls: List[str], cache_dir: Location) -> List[Path]:
+    """Local copies of the remote files `urls`, side by side in one folder of `cache_dir` named after them and
+    their versions (fsspec's ukey: size and ETag or mtime), so each version is downloaded once. Each file is
+    downloaded under a temporary name and renamed: concurrent processes may share the cache."""
+    versions = []
+    for url in urls:
+        fs, p = _fs(url)
+        versions.append(f"{url}\n{fs.ukey(p)}")
+    folder = Path(str(cache_dir)) / "remote" / hashlib.sha256("\n".join(versions).encode()).hexdigest()[:16]
+    folder.mkdir(parents=True, exist_ok=True)
+    copies = []
+    for url in urls:
+        local = folder / name(url)
+        if not local.is_file():
+            tmp = local.with_name(f".{local.name}.tmp{os.getpid()}")
+            fs, p = filesystem(url)
+            fs.get_file(p, str(tmp))
+            os.replace(tmp, local)
+        copies.append(local)
+    return copies
 
 
 def cached_dir(url: str, cache_dir: Location) -> Path:
-    """A local copy of every file directly inside the remote directory `url` (see cached_copy)."""
+    """A local copy of the files directly inside the remote directory `url` (see cached_files)."""
     files = [m for m in glob(join(url, "*")) if is_file(m)]
-    copies = [cached_copy(f, cache_dir) for f in files]
-    folder = Path(str(cache_dir)) / "remote" / hashlib.sha256("\n".join(map(str, copies)).encode()).hexdigest()[:16]
-    folder.mkdir(parents=True, exist_ok=True)
-    for copy in copies:
-        link = folder / copy.name
-        if not link.exists():
-            os.symlink(copy, link)
-    return folder
+    if not files:
+        raise UserError(f"{url} holds no files; point it at a directory (prefix) with the model's files")
+    return cached_files(files, cache_dir)[0].parent
+
+
+def cached_prefix(prefix: str, suffixes, cache_dir: Location) -> str:
+    """The local prefix of copies of the remote files `prefix + suffix` that exist (see cached_files)."""
+    urls = [prefix + suffix for suffix in suffixes if is_file(prefix + suffix)]
+    return str(cached_files(urls, cache_dir)[0].parent / name(prefix))
+
+
+def local_inputs(patterns, cache_dir: Location) -> list:
+    """Files or globs, with each URL among them replaced by local copies of the files it matches, in order."""
+    found = []
+    for pattern in [patterns] if isinstance(patterns, str) else list(patterns):
+        if is_url(pattern):
+            found.extend(str(p) for p in cached_files(glob(pattern), cache_dir)) if glob(pattern) else \
+                found.append(pattern)
+        else:
+            found.append(pattern)
+    return found
+
+
+@contextlib.contextmanager
+def local_output(target: str, scratch: Location) -> Iterator[str]:
+    """Where to write `target` (a file prefix or a directory): itself when local; for a URL a fresh local path
+    under `scratch`, whose files (every path that starts with it) are uploaded to the URL once the block ends
+    without an error, then removed."""
+    if not is_url(target):
+        yield target
+        return
+    filesystem(target, "output")
+    folder = Path(tempfile.mkdtemp(prefix="upload-", dir=_made(scratch)))
+    local = folder / name(target)
+    try:
+        yield str(local)
+        fs, p = filesystem(target)
+        for made in sorted(folder.iterdir()):  # a prefix's files, or the one directory
+            suffix = made.name[len(local.name):]
+            if made.is_dir():
+                fs.put(str(made), p + suffix, recursive=True)
+            else:
+                fs.put_file(str(made), p + suffix)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _made(folder: Location) -> str:
+    Path(str(folder)).mkdir(parents=True, exist_ok=True)
+    return str(folder)
 
 
 def check(key: str, url: str, must_exist: bool) -> None:
