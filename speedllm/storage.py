@@ -200,7 +200,8 @@ def local_output(target: str, scratch: Location) -> Iterator[str]:
     try:
         yield str(local)
         fs, p = filesystem(target)
-        for made in sorted(folder.iterdir()):  # a prefix's files, or the one directory
+        # a prefix's files (.bin, .idx, then .json) or the one directory; not the scratch files beside them
+        for made in sorted(entry for entry in folder.iterdir() if entry.name.startswith(local.name)):
             suffix = made.name[len(local.name):]
             if made.is_dir():
                 fs.put(str(made), p + suffix, recursive=True)

@@ -116,3 +116,55 @@ def test_saved_under_fsdp4_resumed_under_fsdp2_and_dp2_in_the_exact_order(tmp_pa
         for r in resumed:
             assert r["consumed_samples"] == reference[r["step"]]["consumed_samples"]
             assert r["loss"] == pytest.approx(reference[r["step"]]["loss"], rel=1e-5)
+
+
+def test_preprocess_from_and_to_s3_gives_the_local_tokens_and_batches(tmp_path, launch, s3):
+    """task=preprocess with data.input=s3://...*.jsonl and data.output_prefix=s3://...: the same .bin/.idx bytes
+    as from the local files, and a loader on data.path=s3://... yields the local prefix's batches."""
+    from speedllm.config import compose_config
+    from speedllm.data.loader import build_loader
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for part in range(2):
+        lines = [json.dumps({"text": f"Part {part}, line {i}: to be or not to be, {i * i} times."}) for i in range(40)]
+        (raw / f"part-{part}.jsonl").write_text("\n".join(lines) + "\n")
+    fs = s3.fs()
+    bucket = s3.bucket("corpus")
+    fs.put(str(raw) + "/", f"{bucket}/raw/", recursive=True)
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    for where, given, prefix in (("local", f"{raw}/*.jsonl", str(tmp_path / "tok" / "c")),
+                                 ("s3", f"s3://{bucket}/raw/*.jsonl", f"s3://{bucket}/tok/c")):
+        code, out, err = launch(tmp_path / where, "task=preprocess", f"data.input={given}",
+                                f"data.output_prefix={prefix}", "logging.progress_bar=false", cache)
+        assert code == 0 and "wrote 80 documents" in out, out + err
+    for suffix in (".bin", ".idx"):
+        assert fs.cat(f"{bucket}/tok/c{suffix}") == (tmp_path / "tok" / f"c{suffix}").read_bytes()
+
+    batches = {}
+    for where, path in (("local", tmp_path / "tok" / "c"), ("s3", f"s3://{bucket}/tok/c")):
+        cfg = compose_config(f"data.path={path}", cache)
+        loader = build_loader(cfg, "train", 0, 1, 2, 16, 0)
+        batches[where] = [next(loader)["tokens"] for _ in range(3)]
+    assert all((a == b).all() for a, b in zip(batches["local"], batches["s3"]))
+
+
+def test_hf_model_from_s3_converted_to_a_dcp_checkpoint_on_s3(tmp_path, launch, s3, save_tiny_hf):
+    """checkpoint.load_hf=s3://... and convert.out=s3://...: the remote DCP checkpoint holds the HF weights."""
+    import torch
+
+    from speedllm.checkpoint.dcp import dcp_load, latest_checkpoint, read_saved_config
+    from speedllm.models.hf_adapter import from_hf_state_dict
+
+    hf = save_tiny_hf(tmp_path / "hf", vocab_size=8192)
+    bucket = s3.bucket("models")
+    s3.fs().put(str(tmp_path / "hf") + "/", f"{bucket}/tiny/", recursive=True)
+    code, out, err = launch(tmp_path / "run", "task=convert", "model=hf", f"checkpoint.load_hf=s3://{bucket}/tiny",
+                            "convert.to=dcp", f"convert.out=s3://{bucket}/dcp", f"data.cache_dir={tmp_path / 'c'}")
+    assert code == 0 and f"convert: wrote s3://{bucket}/dcp/step_00000000" in out, out + err
+    ckpt = latest_checkpoint(f"s3://{bucket}/dcp")
+    assert ckpt == f"s3://{bucket}/dcp/step_00000000"
+    expected = from_hf_state_dict(hf.state_dict(), read_saved_config(ckpt).model)
+    state = {"model": {k: torch.empty_like(v) for k, v in expected.items()}}
+    dcp_load(state, ckpt)
+    assert all(torch.equal(state["model"][k], v) for k, v in expected.items())

@@ -22,6 +22,7 @@ from typing import Dict
 import numpy as np
 import torch
 
+from speedllm import storage
 from speedllm.data.datasets import build_pretrain_dataset, parse_data_path
 from speedllm.data.indexed import exists
 from speedllm.data.tokenizer import load_tokenizer, tokenizer_vocab_size
@@ -88,6 +89,16 @@ def demo_prefix(cfg) -> str:
     return prefix
 
 
+def local_data_path(path, cache_dir: str):
+    """data.path with each URL prefix in it replaced by the prefix of local copies of its .bin/.idx/.json
+    (downloaded once per version into cache_dir, see speedllm.storage)."""
+    def local(item):
+        is_prefix = isinstance(item, str) and storage.is_url(item)
+        return storage.cached_prefix(item, (".bin", ".idx", ".json"), cache_dir) if is_prefix else item
+
+    return local(path) if isinstance(path, str) else [local(item) for item in path]
+
+
 class Loader:
     """Iterates forever over a dataset as described in the module docstring."""
 
@@ -134,6 +145,7 @@ def build_loader(cfg, split: str, dp_rank: int, dp_size: int, micro_batch_size: 
             raise UserError(
                 "data.path is not set — pass data.path=<prefix> (or [w1, prefix1, w2, prefix2]) or data=demo"
             )
+        path = local_data_path(path, d.cache_dir)
         check_vocab(cfg, path)
         dataset = build_pretrain_dataset(path, d.split, split, seq_len, seed)
         return Loader(dataset, dp_rank, dp_size, micro_batch_size, cfg.model.vocab_size)
