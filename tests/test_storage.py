@@ -168,3 +168,29 @@ def test_hf_model_from_s3_converted_to_a_dcp_checkpoint_on_s3(tmp_path, launch, 
     state = {"model": {k: torch.empty_like(v) for k, v in expected.items()}}
     dcp_load(state, ckpt)
     assert all(torch.equal(state["model"][k], v) for k, v in expected.items())
+
+
+def test_bad_storage_is_one_line_before_any_rank_starts(tmp_path, launch_argv, s3):
+    """parallel=dp2 with an unknown protocol, a missing bucket, no credentials, and s3fs not importable: exit 2,
+    one line naming the key and the fix, and no rank started."""
+    fake = tmp_path / "no_s3fs" / "s3fs"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 's3fs'\", name='s3fs')\n")
+    no_credentials = {k: v for k, v in os.environ.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    no_credentials.update(AWS_SHARED_CREDENTIALS_FILE="/nonexistent", AWS_CONFIG_FILE="/nonexistent",
+                          AWS_EC2_METADATA_DISABLED="true")
+    no_s3fs = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake.parent), os.environ.get("PYTHONPATH", "")])}
+    bucket = s3.bucket("present")
+    cases = [
+        ("nope://bucket/run", os.environ, "unknown storage protocol 'nope://'; use a local path or an fsspec URL"),
+        ("s3://absent-bucket/run", os.environ, "bucket 'absent-bucket' does not exist; create it or choose another"),
+        (f"s3://{bucket}/run", no_credentials, "(NoCredentialsError: Unable to locate credentials); give credentials"),
+        (f"s3://{bucket}/run", no_s3fs, "needs the 's3://' storage package, which is not installed"),
+    ]
+    for n, (url, env, message) in enumerate(cases):
+        proc = subprocess.run(launch_argv(tmp_path / str(n), *TINY, "parallel=dp2", f"checkpoint.dir={url}"),
+                              capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stdout + proc.stderr
+        assert lines[0].startswith(f"error: checkpoint.dir={url}") and message in lines[0], lines[0]
+    assert "pip install 'speedllm[s3]'" in lines[0]
