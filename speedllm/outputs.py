@@ -13,7 +13,9 @@ MARKER = ".speedllm"  # inside every directory we create and may later delete
 
 
 def _real(path) -> str:
-    return os.path.realpath(os.path.expanduser(str(path)))
+    from speedllm.storage import is_url
+
+    return str(path).rstrip("/") if is_url(path) else os.path.realpath(os.path.expanduser(str(path)))
 
 
 def check_no_collision(outputs: Dict[str, Iterable[str]], inputs: Dict[str, Iterable[str]]) -> None:
@@ -35,7 +37,12 @@ def check_no_collision(outputs: Dict[str, Iterable[str]], inputs: Dict[str, Iter
 
 
 def check_writable(key: str, path: str, directory: bool = False) -> None:
-    """The output `path` (a file, or a directory when `directory`) can be created where it is asked for."""
+    """The output `path` (a file, or a directory when `directory`) can be created where it is asked for; a URL's
+    protocol, bucket and credentials are checked (speedllm.storage.check)."""
+    from speedllm import storage
+
+    if storage.is_url(path):
+        return storage.check(key, str(path), must_exist=False)
     p = Path(path).expanduser()
     if p.exists() and p.is_dir() != directory:
         kind = "a directory" if p.is_dir() else "a file"

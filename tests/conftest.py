@@ -116,3 +116,51 @@ def hf_dir(tmp_path_factory):
     tok = load_tokenizer(str(DEMO_TOKENIZER))
     hf = _save_tiny_hf(path, seed=9, vocab_size=len(tok), tie_word_embeddings=True)
     return path, hf, tok
+
+
+class LocalS3:
+    """moto's S3 server on a free port of localhost; its objects live in this process, so they outlast a stop()."""
+
+    def __init__(self):
+        from moto.server import ThreadedMotoServer
+
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.server.start()
+        self.port = self.server.get_host_and_port()[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def start(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+
+    def fs(self):
+        """An s3fs filesystem on this server, with no cached listings."""
+        import s3fs
+
+        fs = s3fs.S3FileSystem()
+        fs.invalidate_cache()
+        return fs
+
+    def bucket(self, name: str) -> str:
+        self.fs().mkdir(name)
+        return name
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3-compatible server on localhost for the session (LocalS3). Every process started from here reaches
+    it the way a user's job reaches theirs: credentials and endpoint in the environment (AWS_ACCESS_KEY_ID,
+    AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL); AWS_MAX_ATTEMPTS=1 leaves the retrying to SpeedLLM's own."""
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                           "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "1"}.items():
+            env.setenv(key, value)
+        server = LocalS3()
+        env.setenv("AWS_ENDPOINT_URL", server.endpoint)
+        yield server
+        server.stop()

@@ -131,12 +131,18 @@ def test_tokenizer_larger_than_embedding_is_rejected():
         build_loader(cfg, "train", 0, 1, 1, 16, 0)
 
 
-def test_resume_under_other_layout_needs_divisible_position(tmp_path):
+def test_resume_under_any_layout_goes_on_from_the_next_global_sample(tmp_path):
+    """A position saved under another layout or global batch (6 samples: no multiple of this 4 ranks x 2) goes on
+    with samples 6..13 of the one global order, split over the ranks."""
     ds = GPTDataset(IndexedDataset(write_unique(str(tmp_path / "u"), [300] * 4)), (0, 4), 16, seed=2)
-    loader = Loader(ds, 0, 4, micro_batch_size=2)
-    loader.load_state_dict({"consumed_samples": 16})
-    with pytest.raises(UserError, match="not a multiple"):
+    batches = []
+    for rank in range(4):
+        loader = Loader(ds, rank, 4, micro_batch_size=2)
         loader.load_state_dict({"consumed_samples": 6})
+        batches.append(next(loader))
+        assert loader.state_dict() == {"consumed_samples": 14}
+    taken = np.concatenate([np.concatenate([b["tokens"], b["labels"][:, -1:]], 1) for b in batches])
+    np.testing.assert_array_equal(taken, np.stack([ds[i] for i in range(6, 14)]))
 
 
 def test_data_tokenized_for_a_larger_vocab_is_rejected(tmp_path):

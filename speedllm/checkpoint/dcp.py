@@ -14,11 +14,19 @@ On disk, under the checkpoint root (cfg.checkpoint.dir):
 A process killed while writing leaves only a `.tmp` directory behind; `latest` still names the previous,
 complete checkpoint, because it is replaced (atomically) only after the rename. With checkpoint.async_save the
 write happens in the background (`Checkpointer`), with the same rename and `latest` once every rank is done.
+
+A checkpoint root may be a URL (`s3://bucket/run`, see speedllm.storage): object stores have no rename, so there
+each step is written in place (through DCP's fsspec writer) and only `latest` - one object, written after every
+rank's upload finished - marks it complete; the run's `config.yaml` and `metrics.jsonl` are uploaded beside it. A
+failed write is retried (SAVE_ATTEMPTS in all, every rank together); then the run stops with one line and `latest`
+still names the previous checkpoint. Loading with `auto` only ever follows `latest`.
 """
 
 import contextlib
+import io
 import os
 import pickle
+import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -29,16 +37,20 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from speedllm.errors import UserError, reading
+from speedllm import storage
+from speedllm.errors import UserError, one_line, reading
 from speedllm.outputs import MARKER, make_scratch_dir, remove_ours, write_text_atomic
 
 LATEST = "latest"
+SAVE_ATTEMPTS = 3  # a failed checkpoint write is tried again this often in all, after 1 s, 2 s ...
+UPLOADED_BESIDE = ("config.yaml", "metrics.jsonl")  # the run's files copied beside remote checkpoints
 
 # What a DCP `.metadata` pickle may name: DCP's own metadata classes and the few torch/pathlib values inside them.
 _METADATA_GLOBALS = {
@@ -63,16 +75,17 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it names {module}.{name}, which a DCP checkpoint never holds")
 
 
-class SafeReader(FileSystemReader):
-    """DCP's file reader with `.metadata` read through a restricted unpickler (torch's uses plain pickle.load)."""
+class _SafeMetadata:
+    """DCP's reader with `.metadata` read through a restricted unpickler (torch's uses plain pickle.load)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         try:
-            with open(path, "rb") as f:
+            with self.fs.create_stream(path, "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
         except OSError as e:
-            raise UserError(f"{path} cannot be read ({e.strerror}); point checkpoint.load at a complete checkpoint")
+            raise UserError(f"{path} cannot be read ({e.strerror or one_line(e)}); point checkpoint.load at a "
+                            "complete checkpoint") from None
         except Exception as e:  # any malformed pickle: truncated, garbage, or naming code to run
             raise UserError(f"{path} is not a DCP checkpoint's metadata ({e}); refusing to load it - use a "
                             "checkpoint written by SpeedLLM or torch.distributed.checkpoint") from None
@@ -83,6 +96,22 @@ class SafeReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class SafeReader(_SafeMetadata, FileSystemReader):
+    pass
+
+
+class SafeFsspecReader(_SafeMetadata, FsspecReader):
+    pass
+
+
+def _reader(path) -> FileSystemReader:
+    return SafeFsspecReader(str(path)) if storage.is_url(path) else SafeReader(str(path))
+
+
+def _writer(path) -> FileSystemWriter:
+    return FsspecWriter(str(path)) if storage.is_url(path) else FileSystemWriter(str(path))
 
 
 class SafePlanner(DefaultLoadPlanner):
@@ -102,21 +131,21 @@ class SafePlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def read_metadata(path: Path) -> Metadata:
-    """The `.metadata` of checkpoint directory `path`, read without running code."""
-    return SafeReader(str(path)).read_metadata()
+def read_metadata(path) -> Metadata:
+    """The `.metadata` of checkpoint directory `path` (a local path or a URL), read without running code."""
+    return _reader(path).read_metadata()
 
 
-def dcp_load(state: Dict[str, Any], path: Path) -> None:
+def dcp_load(state: Dict[str, Any], path) -> None:
     """dcp.load, in place, with no unpickling of arbitrary objects; a checkpoint that does not fit (another model,
     truncated files) is one line naming it."""
     read_metadata(path)  # refused here, in one line, before DCP (which logs a traceback for a bad one)
     try:
         with _quiet_dcp():
-            dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner(),
+            dcp.load(state, storage_reader=_reader(path), planner=SafePlanner(),
                      no_dist=not dist.is_initialized())
     except CheckpointException as e:  # a BaseException: DCP gathers each rank's failure into it
-        first = next(iter(e.failures.values()))[0] if e.failures else e
+        first = _failure(e)
         if isinstance(first, UserError):
             raise first from None
         reason = str(first).strip().splitlines()[-1] if str(first).strip() else type(first).__name__
@@ -149,20 +178,27 @@ def _quiet_dcp():
         yield
 
 
-def finished_checkpoints(root: Path) -> list:
-    """Finished checkpoint directories under `root`, oldest first."""
-    return sorted(p for p in root.glob("step_*") if p.is_dir())
+def finished_checkpoints(root) -> list:
+    """Finished checkpoint directories under `root`, oldest first (on object storage: those up to `latest`, the
+    only mark of a complete one there)."""
+    if not storage.is_url(root):
+        return sorted(p for p in Path(root).glob("step_*") if p.is_dir())
+    newest = latest_checkpoint(root)
+    if newest is None:
+        return []
+    return [storage.join(root, n) for n in storage.list_names(root)
+            if n.startswith("step_") and n <= storage.name(newest)]
 
 
-def latest_checkpoint(root: str) -> Optional[Path]:
-    """The checkpoint `latest` names, or None if the root has none yet."""
-    pointer = Path(root) / LATEST
-    if not pointer.is_file():
+def latest_checkpoint(root):
+    """The checkpoint `latest` names (a Path, or a URL under a URL root), or None if the root has none yet."""
+    pointer = storage.join(root, LATEST)
+    if not storage.is_file(pointer):
         return None
-    path = Path(root) / pointer.read_text().strip()
-    if not (path / ".metadata").is_file():
-        raise UserError(f"{pointer} names {path.name}, which is missing or incomplete; write the name of a complete "
-                        "step_* directory into it, or point checkpoint.load at one")
+    path = storage.join(root, storage.read_text(pointer).strip())
+    if not storage.is_file(storage.join(path, ".metadata")):
+        raise UserError(f"{pointer} names {storage.name(path)}, which is missing or incomplete; write the name of a "
+                        "complete step_* directory into it, or point checkpoint.load at one")
     return path
 
 
@@ -180,52 +216,118 @@ def _trained_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
     return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd, options
 
 
-def _start(root: str, step: int) -> tuple:
-    """(root, final directory, temporary directory) of checkpoint `step`; the temporary one made fresh by rank 0."""
-    root_path = Path(root)
-    final = root_path / step_dir_name(step)
-    tmp = root_path / f".{final.name}.tmp"
-    if _rank() == 0:
-        if final.exists() and not (final / MARKER).is_file():
+def _start(root, step: int) -> tuple:
+    """(final directory, directory written) of checkpoint `step`, the second made fresh by rank 0: a temporary one
+    renamed when complete, or on object storage (no rename) the final one, which `latest` marks complete."""
+    final = storage.join(root, step_dir_name(step))
+    remote = storage.is_url(root)
+    tmp = final if remote else Path(root) / f".{final.name}.tmp"
+
+    def attempt() -> None:
+        if storage.exists(final) and not storage.exists(storage.join(final, MARKER)):
             raise UserError(f"{final} exists and was not written by SpeedLLM; move it away or choose another "
                             "checkpoint.dir")
-        make_scratch_dir(tmp, "checkpoint.dir")  # replaces one left by a process killed mid-write
-    _barrier()
-    return root_path, final, tmp
+        if remote:
+            if storage.exists(final):
+                storage.remove(final)  # a leftover of a failed save of this step
+            storage.write_text(storage.join(final, MARKER), "", "checkpoint.dir")
+        else:
+            make_scratch_dir(tmp, "checkpoint.dir")  # replaces one left by a process killed mid-write
 
-
-def _write_small(tmp: Path, extra: Dict[str, Any], cfg: DictConfig) -> None:
-    torch.save(extra, tmp / f"extra_rank{_rank()}.pt")
     if _rank() == 0:
-        OmegaConf.save(cfg, tmp / "config.yaml", resolve=True)
+        _with_retries(f"preparing {final}", attempt, every_rank=False)
+    _barrier()
+    return final, tmp
 
 
-def _publish(root_path: Path, tmp: Path, final: Path, keep: int) -> None:
-    """Rank 0, once every rank's files are written: rename into place, point `latest` at it, keep the newest."""
-    remove_ours(final)  # a re-run of the same step replaces its old copy
-    os.replace(tmp, final)
-    write_text_atomic(root_path / LATEST, final.name + "\n", "checkpoint.dir")
-    if keep > 0:
-        for old in finished_checkpoints(root_path)[:-keep]:
-            remove_ours(old)  # a step_* directory we did not write is never deleted
+def _failure(e: BaseException) -> BaseException:
+    """The first rank's failure inside DCP's CheckpointException (which gathers every rank's), else `e`."""
+    return next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
 
 
-def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    extra: Dict[str, Any], cfg: DictConfig, keep: int) -> Path:
+def _with_retries(what: str, attempt, group=None, every_rank: bool = True) -> None:
+    """Run `attempt()` until it succeeds, SAVE_ATTEMPTS times at most; with `every_rank`, the ranks agree after
+    each try (all retry when any failed). The last failure is one line."""
+    for n in range(1, SAVE_ATTEMPTS + 1):
+        error = None
+        try:
+            attempt()
+        except UserError:
+            raise
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - the storage's own errors, whatever they are
+            error = _failure(e)
+        failed = error is not None
+        if every_rank and dist.is_initialized():
+            flag = torch.tensor([int(failed)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            failed = bool(flag.item())
+        if not failed:
+            return
+        if n == SAVE_ATTEMPTS:
+            reason = one_line(error) if error is not None else "failed on another rank"
+            raise UserError(f"checkpoint.dir: {what} failed {SAVE_ATTEMPTS} times ({reason}); `latest` still names "
+                            "the previous checkpoint - check the storage, then resume with checkpoint.load=auto")
+        time.sleep(n)
+
+
+def _write(tmp, state: Dict[str, Any], extra: bytes, config: str, group) -> None:
+    """Every rank writes its files of one checkpoint into `tmp`: DCP's model + optimizer, its `extra`, and on
+    rank 0 the frozen config; retried together (see _with_retries)."""
+    def attempt() -> None:
+        with storage.open_file(storage.join(tmp, f"extra_rank{_rank()}.pt"), "wb") as f:
+            f.write(extra)
+        if _rank() == 0:
+            with storage.open_file(storage.join(tmp, "config.yaml"), "w") as f:
+                f.write(config)
+        with _quiet_dcp():
+            dcp.save(state, storage_writer=_writer(tmp), process_group=group, no_dist=not dist.is_initialized())
+
+    _with_retries(f"writing {tmp}", attempt, group)
+
+
+def _small(extra: Dict[str, Any], cfg: DictConfig) -> tuple:
+    """This rank's `extra` state as torch.save bytes and the frozen config as YAML: taken now, written later."""
+    buffer = io.BytesIO()
+    torch.save(extra, buffer)
+    return buffer.getvalue(), OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def _publish(root, tmp, final, keep: int, run_dir: str) -> None:
+    """Rank 0, once every rank's files are written: put it in place, point `latest` at it, keep the newest. On
+    object storage the run's config.yaml and metrics.jsonl go beside the checkpoints first."""
+    def attempt() -> None:
+        if storage.is_url(root):
+            for name in UPLOADED_BESIDE:
+                if (Path(run_dir) / name).is_file():
+                    storage.put(Path(run_dir) / name, storage.join(root, name))
+        else:
+            remove_ours(final)  # a re-run of the same step replaces its old copy
+            os.replace(tmp, final)
+        storage.write_text(storage.join(root, LATEST), storage.name(final) + "\n", "checkpoint.dir")
+        if keep > 0:
+            for old in finished_checkpoints(root)[:-keep]:
+                if storage.exists(storage.join(old, MARKER)):  # a step_* directory we did not write is never deleted
+                    storage.remove(old)
+
+    _with_retries(f"publishing {final}", attempt, every_rank=False)
+
+
+def save_checkpoint(root, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    extra: Dict[str, Any], cfg: DictConfig, keep: int, group=None) -> Path:
     """Write checkpoint `step` on every rank, then publish it as `latest` and keep the newest `keep`.
 
     Args:
+        root: the checkpoint root, a local path or a URL.
         extra: this rank's small state (step, scheduler, loader, RNG) saved with torch.save.
         keep: number of finished checkpoints to keep; <= 0 keeps all.
+        group: the process group of DCP's collectives (None: the default one).
     """
-    root_path, final, tmp = _start(root, step)
+    final, tmp = _start(root, step)
     model_sd, optim_sd, _ = _trained_state(model, optimizer)
-    with _quiet_dcp():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
-    _write_small(tmp, extra, cfg)
+    _write(tmp, {"model": model_sd, "optim": optim_sd}, *_small(extra, cfg), group)
     _barrier()
     if _rank() == 0:
-        _publish(root_path, tmp, final, keep)
+        _publish(root, tmp, final, keep, getattr(cfg, "run_dir", "."))
     _barrier()
     return final
 
@@ -233,17 +335,17 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: torch.opt
 class Checkpointer:
     """Saves a run's checkpoints: synchronously (save_checkpoint), or with `async_save` in the background.
 
-    An async save blocks training only while DCP stages the state into host memory (a copy, so training may go on
+    An async save blocks training only while DCP's stager copies the state into host memory (so training may go on
     changing the weights); the files are written by a background thread, which then waits for every rank and has
     rank 0 publish the checkpoint exactly as a synchronous save does (rename, `latest`, keep). The next save and
     `close()` (the end of training) wait for a pending one, so `latest` only ever names a complete checkpoint, and a
-    process killed mid-write leaves only the `.tmp` directory. The background collectives (DCP's planning, the
-    barrier) use their own gloo process group, apart from training's.
+    process killed mid-write leaves only the `.tmp` directory. Checkpoint collectives (DCP's planning, the retry
+    agreement, the barrier) use their own gloo process group, apart from training's.
     """
 
     def __init__(self, root: str, keep: int, async_save: bool):
-        self.root, self.keep, self.async_save = root, keep, async_save
-        self.group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+        self.root, self.keep, self.async_save = storage.location(root), keep, async_save
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         if async_save and not dist.is_initialized():
             # DCP warns from its writer thread that it saves without a process group: intended here
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -253,27 +355,24 @@ class Checkpointer:
         self.pending: Optional[Future] = None
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Dict[str, Any],
-             cfg: DictConfig) -> Path:
+             cfg: DictConfig):
         """Save checkpoint `step` (see save_checkpoint); async: return once it is staged, before it is written."""
         self.wait()
         if not self.async_save:
-            return save_checkpoint(self.root, step, model, optimizer, extra, cfg, self.keep)
-        root_path, final, tmp = _start(self.root, step)
+            return save_checkpoint(self.root, step, model, optimizer, extra, cfg, self.keep, self.group)
+        final, tmp = _start(self.root, step)
         model_sd, optim_sd, _ = _trained_state(model, optimizer)
-        _write_small(tmp, extra, cfg)
-        with _quiet_dcp():
-            upload = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp),
-                                    process_group=self.group, async_stager=self.stager,
-                                    no_dist=not dist.is_initialized())
-        self.pending = self.executor.submit(self._finish, upload, root_path, tmp, final)
+        staged = self.stager.stage({"model": model_sd, "optim": optim_sd})
+        self.pending = self.executor.submit(self._finish, staged, _small(extra, cfg), tmp, final,
+                                            getattr(cfg, "run_dir", "."))
         return final
 
-    def _finish(self, upload: Future, root_path: Path, tmp: Path, final: Path) -> None:
-        upload.result()
+    def _finish(self, staged: Dict[str, Any], small: tuple, tmp, final, run_dir: str) -> None:
+        _write(tmp, staged, *small, self.group)
         if self.group is not None:
             dist.barrier(group=self.group)  # every rank's files are written
         if _rank() == 0:
-            _publish(root_path, tmp, final, self.keep)
+            _publish(self.root, tmp, final, self.keep, run_dir)
 
     def wait(self) -> None:
         """Block until the pending async save (if any) is written and published on every rank."""
@@ -291,19 +390,19 @@ class Checkpointer:
             self.executor.shutdown()
 
 
-def read_saved_config(step_dir: Path) -> DictConfig:
+def read_saved_config(step_dir) -> DictConfig:
     """The run config saved inside a checkpoint (`config.yaml`), checked to be one."""
-    frozen = step_dir / "config.yaml"
+    frozen = storage.join(step_dir, "config.yaml")
     with reading(str(frozen), "copy the run directory's config.yaml over it, or point checkpoint.load at another "
                  "checkpoint"):
-        saved = OmegaConf.load(frozen)
+        saved = OmegaConf.create(storage.read_text(frozen))
     if not isinstance(saved, DictConfig) or not isinstance(saved.get("model"), DictConfig):
         raise UserError(f"{frozen} is not a SpeedLLM run config (no model section); copy the run directory's "
                         "config.yaml over it, or point checkpoint.load at another checkpoint")
     return saved
 
 
-def resolve_load(load: Optional[str], root: str) -> Optional[Path]:
+def resolve_load(load: Optional[str], root: str):
     """Turn `checkpoint.load` into a checkpoint directory.
 
     `auto` means the run's latest checkpoint if there is one (else start fresh); a path may name a
@@ -313,30 +412,31 @@ def resolve_load(load: Optional[str], root: str) -> Optional[Path]:
         return None
     if load == "auto":
         return latest_checkpoint(root)
-    path = Path(load)
-    if (path / ".metadata").is_file():
+    path = storage.location(load)
+    if storage.is_file(storage.join(path, ".metadata")):
         return path
-    latest = latest_checkpoint(str(path))
+    latest = latest_checkpoint(path)
     if latest is None:
         raise UserError(f"checkpoint.load={load}: no DCP checkpoint there (no .metadata, no '{LATEST}' file); "
                         "point it at a step_* directory or a checkpoints directory, or use checkpoint.load=auto")
     return latest
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     """Load model + optimizer in place (any layout) and return this rank's `extra` state."""
     model_sd, optim_sd, options = _trained_state(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp_load(state, path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=options)
-    extra_file = path / f"extra_rank{_rank()}.pt"
-    if not extra_file.is_file():
+    extra_file = storage.join(path, f"extra_rank{_rank()}.pt")
+    if not storage.is_file(extra_file):
         # more ranks than the checkpoint was written with: replicated state (step, RNG seed stream) from rank 0
-        extra_file = path / "extra_rank0.pt"
+        extra_file = storage.join(path, "extra_rank0.pt")
     with reading(f"checkpoint.load: {extra_file}", DAMAGED_FIX):
         try:
-            return torch.load(extra_file, weights_only=True)
+            with storage.open_file(extra_file, "rb") as f:
+                return torch.load(f, weights_only=True)
         except pickle.UnpicklingError:  # torch's message is a page of advice on allow-listing globals
             raise ValueError("it holds a pickled object, not plain data; torch.load(weights_only=True) refused to "
                              "run it") from None

@@ -12,6 +12,7 @@ import os
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from speedllm import storage
 from speedllm.checkpoint.dcp import read_saved_config, resolve_load
 from speedllm.config.validate import validate_values
 from speedllm.errors import UserError
@@ -22,6 +23,7 @@ from speedllm.runtime import under_torchrun
 def resolve(cfg: DictConfig) -> tuple[int, int]:
     """Resolve cfg in place (see the module docstring); returns (world_size, nproc_per_node)."""
     resolve_hardware(cfg)
+    fetch_hf_dir(cfg)
     resolve_model(cfg)
     validate_values(cfg)  # values first: a typo is named before a missing checkpoint, and the layout is derived
     if cfg.task.inference:  # from sane launcher counts and planner sizes
@@ -29,6 +31,15 @@ def resolve(cfg: DictConfig) -> tuple[int, int]:
     if not cfg.task.in_process:  # a job that is not launched needs no rendezvous
         resolve_nodes(cfg)
     return resolve_layout(cfg)
+
+
+def fetch_hf_dir(cfg: DictConfig) -> None:
+    """checkpoint.load_hf as a URL: the directory's files copied once into data.cache_dir (per version), and
+    load_hf set to that copy, so everything after reads a local Hugging Face directory."""
+    url = cfg.checkpoint.load_hf
+    if url is not None and storage.is_url(url):
+        storage.check("checkpoint.load_hf", url, must_exist=True)
+        cfg.checkpoint.load_hf = str(storage.cached_dir(url, cfg.data.cache_dir))
 
 
 def resolve_model(cfg: DictConfig) -> None:
@@ -140,10 +151,10 @@ def adopt_checkpoint_config(cfg: DictConfig) -> bool:
     if path is None:
         raise UserError(f"checkpoint.load={ck.load}: no checkpoint there yet; point it at a step_* directory or a "
                         "checkpoints directory")
-    frozen = path / "config.yaml"
+    frozen = storage.join(path, "config.yaml")
     with open_dict(cfg):
         ck.load = str(path)
-        if not frozen.is_file():
+        if not storage.is_file(frozen):
             return False
         saved = read_saved_config(path)
         if saved.model != cfg.model:

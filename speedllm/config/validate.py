@@ -501,6 +501,10 @@ def check_device(cfg: DictConfig, nproc_per_node: int) -> None:
 
 
 def _must_exist(key: str, path: str, fix: str) -> None:
+    from speedllm import storage
+
+    if storage.is_url(path):
+        return storage.check(key, path, must_exist=True)
     if not (os.path.exists(path) or glob(path)):
         raise UserError(f"{key}={path} does not exist; {fix}")
 

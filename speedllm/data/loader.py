@@ -8,8 +8,9 @@ global step of G calls covers the same samples under any dp_size with the same B
 
 Batches are dicts of int64 tensors [B, S]: `tokens`, `labels` (label of position t is token t+1,
 IGNORE_INDEX where there is no loss), and for packed SFT `position_ids` (restart at 0 per sample) and
-`document_ids` (one id per sample within a row). `state_dict()` is {"consumed_samples": n}: the same on
-every rank and valid under another dp_size as long as n is a multiple of the new B*R.
+`document_ids` (one id per sample within a row). `state_dict()` is {"consumed_samples": n}, the global index
+of the next sample: the same on every rank, so a run resumed under any dp_size, micro batch or global batch goes
+on with sample n, exactly where the uninterrupted run's order is.
 """
 
 import fcntl
@@ -21,6 +22,7 @@ from typing import Dict
 import numpy as np
 import torch
 
+from speedllm import storage
 from speedllm.data.datasets import build_pretrain_dataset, parse_data_path
 from speedllm.data.indexed import exists
 from speedllm.data.tokenizer import load_tokenizer, tokenizer_vocab_size
@@ -87,6 +89,16 @@ def demo_prefix(cfg) -> str:
     return prefix
 
 
+def local_data_path(path, cache_dir: str):
+    """data.path with each URL prefix in it replaced by the prefix of local copies of its .bin/.idx/.json
+    (downloaded once per version into cache_dir, see speedllm.storage)."""
+    def local(item):
+        is_prefix = isinstance(item, str) and storage.is_url(item)
+        return storage.cached_prefix(item, (".bin", ".idx", ".json"), cache_dir) if is_prefix else item
+
+    return local(path) if isinstance(path, str) else [local(item) for item in path]
+
+
 class Loader:
     """Iterates forever over a dataset as described in the module docstring."""
 
@@ -115,13 +127,7 @@ class Loader:
         return {"consumed_samples": self.consumed_samples}
 
     def load_state_dict(self, sd: dict) -> None:
-        n = int(sd["consumed_samples"])
-        if n % (self.micro_batch_size * self.dp_size):
-            raise UserError(
-                f"checkpoint data position {n} samples is not a multiple of micro_batch_size*dp="
-                f"{self.micro_batch_size * self.dp_size} — resume with a batch layout that divides it"
-            )
-        self.consumed_samples = n
+        self.consumed_samples = int(sd["consumed_samples"])
 
 
 def build_loader(cfg, split: str, dp_rank: int, dp_size: int, micro_batch_size: int, seq_len: int, seed: int):
@@ -139,6 +145,7 @@ def build_loader(cfg, split: str, dp_rank: int, dp_size: int, micro_batch_size: 
             raise UserError(
                 "data.path is not set — pass data.path=<prefix> (or [w1, prefix1, w2, prefix2]) or data=demo"
             )
+        path = local_data_path(path, d.cache_dir)
         check_vocab(cfg, path)
         dataset = build_pretrain_dataset(path, d.split, split, seq_len, seed)
         return Loader(dataset, dp_rank, dp_size, micro_batch_size, cfg.model.vocab_size)

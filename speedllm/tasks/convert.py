@@ -20,6 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
 
+from speedllm import storage
 from speedllm.checkpoint.adapters import export_merged, export_peft, holds_adapters
 from speedllm.checkpoint.dcp import (
     LATEST,
@@ -144,18 +145,20 @@ def dcp_to_hf(load: str, out: str, cfg: DictConfig) -> Path:
 
 def run(cfg: DictConfig, rt) -> None:
     """task=convert (one process): convert.to=dcp reads checkpoint.load_hf, convert.to=hf | peft checkpoint.load."""
-    if cfg.convert.to == "dcp":
-        written = hf_to_dcp(cfg.checkpoint.load_hf, cfg.convert.out, cfg)
-    elif cfg.quant.name != "none":
-        from speedllm.checkpoint.quantized import check_exportable, quantize_hf_dir
+    with storage.local_output(cfg.convert.out, cfg.data.cache_dir) as out:  # a URL: written here, then uploaded
+        if cfg.convert.to == "dcp":
+            written = hf_to_dcp(cfg.checkpoint.load_hf, out, cfg)
+        elif cfg.quant.name != "none":
+            from speedllm.checkpoint.quantized import check_exportable, quantize_hf_dir
 
-        check_exportable(cfg.quant.name)
-        out = Path(cfg.convert.out)
-        fp_dir = dcp_to_hf(cfg.checkpoint.load, str(out.parent / f".{out.name}.fp"), cfg)
-        quantize_hf_dir(fp_dir, out, cfg.quant)
-        written = out
-    else:
-        written = dcp_to_hf(cfg.checkpoint.load, cfg.convert.out, cfg)
-    index = written / "model.safetensors.index.json"
-    shards = len(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else 0
+            check_exportable(cfg.quant.name)
+            fp_dir = dcp_to_hf(cfg.checkpoint.load, str(Path(out).parent / f".{Path(out).name}.fp"), cfg)
+            quantize_hf_dir(fp_dir, Path(out), cfg.quant)
+            written = Path(out)
+        else:
+            written = dcp_to_hf(cfg.checkpoint.load, out, cfg)
+        index = written / "model.safetensors.index.json"
+        shards = len(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else 0
+    if storage.is_url(cfg.convert.out):
+        written = storage.join(cfg.convert.out, *written.relative_to(out).parts)
     print(f"convert: wrote {written}" + (f" ({shards} safetensors shard(s))" if shards else ""))

@@ -4,6 +4,7 @@ data set (speedllm.data.preprocess does the work; this task reports it).
     python launch.py task=preprocess data.input=<files or globs> data.output_prefix=<prefix> data.workers=2
 """
 
+from speedllm import storage
 from speedllm.data.preprocess import preprocess
 from speedllm.errors import UserError
 
@@ -16,10 +17,12 @@ def run(cfg, rt=None) -> dict:
     d = cfg.data
     if not d.output_prefix:
         raise UserError("data.output_prefix is not set — pass data.output_prefix=<path prefix for .bin/.idx>")
-    meta = preprocess(
-        d.input, d.output_prefix, d.tokenizer, list(d.text_key), d.append_eod, d.workers, d.on_error,
-        d.trust_remote_code, progress=cfg.logging.progress_bar,
-    )
+    inputs = storage.local_inputs(d.input, d.cache_dir)  # URLs: local copies (cached), then as local files
+    with storage.local_output(d.output_prefix, d.cache_dir) as prefix:  # a URL: written here, then uploaded
+        meta = preprocess(
+            inputs, prefix, d.tokenizer, list(d.text_key), d.append_eod, d.workers, d.on_error,
+            d.trust_remote_code, progress=cfg.logging.progress_bar,
+        )
     skipped = sum(meta["skipped"].values())
     reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(meta["skipped"].items()))
     print(

@@ -6,8 +6,8 @@ SFT is the same loop; its loader masks every label outside the assistant turns w
 
 import math
 import time
-from pathlib import Path
 
+from speedllm import storage
 from speedllm.checkpoint.dcp import Checkpointer, latest_checkpoint
 from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.build import build_training, grad_accum_steps, to_device
@@ -63,7 +63,8 @@ def run(cfg, rt: Runtime) -> None:
                     logger.log(step, {
                         "loss": sum(window_losses) / len(window_losses) if window_losses else math.nan,
                         "lr": lr,
-                        "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+                        "grad_norm": grad_norm, "consumed_samples": loader.consumed_samples,
+                        "tokens_per_s": tokens_per_s,
                         "tflops": tokens_per_s * flops_tok / rt.world_size / 1e12, "mfu": achieved,
                         "peak_mem_gb": peak_memory_gb(rt.device), "skipped_steps": bad.total, **expert_load})
                     window_losses, window_time, window_steps = [], 0.0, 0
@@ -81,7 +82,7 @@ def run(cfg, rt: Runtime) -> None:
         checkpointer.close()
     finally:
         logger.close()
-    root = Path(ck.dir).absolute()
+    root = storage.absolute(ck.dir)
     if rt.is_main and latest_checkpoint(str(root)) is not None:
         print(f"checkpoint: {latest_checkpoint(str(root))}\n"
               f"  generate: python launch.py task=generate checkpoint.load={root} generate.prompt=\"ROMEO:\"\n"

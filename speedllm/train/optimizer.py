@@ -8,7 +8,6 @@ it with `_partial_: true` and the code supplies the parameter groups.
 import dataclasses
 import inspect
 import math
-from pathlib import Path
 
 import torch
 from hydra.utils import get_class, instantiate
@@ -142,12 +141,15 @@ def build_optimizer(model: nn.Module, optim) -> torch.optim.Optimizer:
     return instantiate({**args, "_convert_": "all"})(groups)
 
 
-def check_resumable(checkpoint: Path, optim) -> None:
+def check_resumable(checkpoint, optim) -> None:
     """Optimizer state loads only into the optimizer that saved it: refuse another one in one line."""
-    frozen = checkpoint / "config.yaml"
-    if not frozen.is_file():
+    from speedllm import storage
+
+    frozen = storage.join(checkpoint, "config.yaml")
+    if not storage.is_file(frozen):
         return
-    saved = OmegaConf.select(OmegaConf.load(frozen), "optim._target_", default="torch.optim.AdamW")
+    saved = OmegaConf.select(OmegaConf.create(storage.read_text(frozen)), "optim._target_",
+                             default="torch.optim.AdamW")
     if saved != optim._target_:
         raise UserError(f"checkpoint {checkpoint} was saved with optimizer {saved} but this run uses "
                         f"{optim._target_} (optim={optim.name}); resume with the optimizer it was saved with, or "

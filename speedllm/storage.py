@@ -1,0 +1,238 @@
+"""Files by local path or by URL: the one module that knows about storage protocols.
+
+A local path stays a `pathlib.Path` and goes through the ordinary file functions, so local runs behave exactly as
+they always did. A URL (`s3://bucket/run`, `gs://...`, `file:///...`, `memory://...`) goes through fsspec; its
+protocol's package is an extra (`pip install 'speedllm[s3]'` brings s3fs). Credentials and endpoints are never ours:
+the protocol's package reads them from the environment or its usual config (for S3: AWS_ACCESS_KEY_ID /
+AWS_SECRET_ACCESS_KEY or ~/.aws, AWS_ENDPOINT_URL for an S3-compatible store). Object stores have no rename, so
+what must appear whole is written as one object (`write_text`), and a run marks what it finished by writing a
+pointer last.
+"""
+
+import contextlib
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator, List, Union
+
+from speedllm.errors import UserError, one_line
+from speedllm.outputs import write_text_atomic
+
+Location = Union[str, Path]
+
+# protocol -> the extra that installs its fsspec implementation (the others: see fsspec's known_implementations)
+EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+
+
+def is_url(path: Location) -> bool:
+    return "://" in str(path)
+
+
+def location(path: Location) -> Location:
+    """A local path as a Path (as before), a URL as its string (pathlib would fold its '//')."""
+    return str(path).rstrip("/") if is_url(path) else Path(path)
+
+
+def absolute(path: Location) -> Location:
+    return location(path) if is_url(path) else Path(path).absolute()
+
+
+def join(base: Location, *names: str) -> Location:
+    if is_url(base):
+        return "/".join([str(base).rstrip("/"), *names])
+    return Path(base).joinpath(*names)
+
+
+def name(path: Location) -> str:
+    return str(path).rstrip("/").rsplit("/", 1)[-1] if is_url(path) else Path(path).name
+
+
+def filesystem(url: str, key: str = "path"):
+    """(fsspec filesystem, path inside it) of `url`; an unknown protocol or a missing package is one line."""
+    import fsspec
+
+    protocol = str(url).split("://", 1)[0]
+    try:
+        return fsspec.core.url_to_fs(str(url))
+    except ValueError:
+        raise UserError(f"{key}={url}: unknown storage protocol '{protocol}://'; use a local path or an fsspec URL "
+                        f"(s3://, gs://, file://, memory:// ...)") from None
+    except ImportError as e:
+        extra = EXTRAS.get(protocol)
+        how = f"pip install 'speedllm[{extra}]'" if extra else "install the fsspec package for it"
+        raise UserError(f"{key}={url} needs the '{protocol}://' storage package, which is not installed ({e.name or e}"
+                        f"); {how}") from None
+
+
+def _fs(url: str):
+    fs, path = filesystem(url)
+    fs.invalidate_cache()  # another process may have written since this one last listed
+    return fs, path
+
+
+def exists(path: Location) -> bool:
+    if not is_url(path):
+        return Path(path).exists()
+    fs, p = _fs(path)
+    return fs.exists(p)
+
+
+def is_file(path: Location) -> bool:
+    if not is_url(path):
+        return Path(path).is_file()
+    fs, p = _fs(path)
+    return fs.isfile(p)
+
+
+def glob(pattern: Location) -> List[str]:
+    """The files `pattern` matches, sorted, as paths or URLs of the same kind."""
+    if not is_url(pattern):
+        import glob as globbing
+
+        return sorted(globbing.glob(str(pattern), recursive=True))
+    fs, p = _fs(pattern)
+    return sorted(fs.unstrip_protocol(m) for m in fs.glob(p))
+
+
+def open_file(path: Location, mode: str = "rb"):
+    if not is_url(path):
+        return open(path, mode)
+    fs, p = filesystem(path)
+    return fs.open(p, mode)
+
+
+def read_text(path: Location) -> str:
+    with open_file(path, "r") as f:
+        return f.read()
+
+
+def write_text(path: Location, text: str, key: str) -> None:
+    """The whole file at once: a local one under a temporary name then renamed, a remote one as one object."""
+    if not is_url(path):
+        return write_text_atomic(Path(path), text, key)
+    fs, p = filesystem(path)
+    fs.pipe_file(p, text.encode())
+
+
+def put(local: Path, url: str) -> None:
+    """Upload local file `local` to `url`."""
+    fs, p = filesystem(url)
+    fs.put_file(str(local), p)
+
+
+def list_names(directory: Location) -> List[str]:
+    """The names of the entries directly inside `directory` (none when it does not exist)."""
+    if not is_url(directory):
+        return sorted(p.name for p in Path(directory).iterdir()) if Path(directory).is_dir() else []
+    fs, p = _fs(directory)
+    return sorted(name(e) for e in fs.ls(p, detail=False)) if fs.exists(p) else []
+
+
+def remove(path: Location) -> None:
+    """Delete a directory (or prefix) and everything under it."""
+    if not is_url(path):
+        return shutil.rmtree(path)
+    fs, p = filesystem(path)
+    fs.rm(p, recursive=True)
+
+
+def cached_files(urls: List[str], cache_dir: Location) -> List[Path]:
+    """Local copies of the remote files `urls`, side by side in one folder of `cache_dir` named after them and
+    their versions (fsspec's ukey: size and ETag or mtime), so each version is downloaded once. Each file is
+    downloaded under a temporary name and renamed: concurrent processes may share the cache."""
+    versions = []
+    for url in urls:
+        fs, p = _fs(url)
+        versions.append(f"{url}\n{fs.ukey(p)}")
+    folder = Path(str(cache_dir)) / "remote" / hashlib.sha256("\n".join(versions).encode()).hexdigest()[:16]
+    folder.mkdir(parents=True, exist_ok=True)
+    copies = []
+    for url in urls:
+        local = folder / name(url)
+        if not local.is_file():
+            tmp = local.with_name(f".{local.name}.tmp{os.getpid()}")
+            fs, p = filesystem(url)
+            fs.get_file(p, str(tmp))
+            os.replace(tmp, local)
+        copies.append(local)
+    return copies
+
+
+def cached_dir(url: str, cache_dir: Location) -> Path:
+    """A local copy of the files directly inside the remote directory `url` (see cached_files)."""
+    files = [m for m in glob(join(url, "*")) if is_file(m)]
+    if not files:
+        raise UserError(f"{url} holds no files; point it at a directory (prefix) with the model's files")
+    return cached_files(files, cache_dir)[0].parent
+
+
+def cached_prefix(prefix: str, suffixes, cache_dir: Location) -> str:
+    """The local prefix of copies of the remote files `prefix + suffix` that exist (see cached_files)."""
+    urls = [prefix + suffix for suffix in suffixes if is_file(prefix + suffix)]
+    return str(cached_files(urls, cache_dir)[0].parent / name(prefix))
+
+
+def local_inputs(patterns, cache_dir: Location) -> list:
+    """Files or globs, with each URL among them replaced by local copies of the files it matches, in order."""
+    found = []
+    for pattern in [patterns] if isinstance(patterns, str) else list(patterns):
+        if is_url(pattern):
+            found.extend(str(p) for p in cached_files(glob(pattern), cache_dir)) if glob(pattern) else \
+                found.append(pattern)
+        else:
+            found.append(pattern)
+    return found
+
+
+@contextlib.contextmanager
+def local_output(target: str, scratch: Location) -> Iterator[str]:
+    """Where to write `target` (a file prefix or a directory): itself when local; for a URL a fresh local path
+    under `scratch`, whose files (every path that starts with it) are uploaded to the URL once the block ends
+    without an error, then removed."""
+    if not is_url(target):
+        yield target
+        return
+    filesystem(target, "output")
+    folder = Path(tempfile.mkdtemp(prefix="upload-", dir=_made(scratch)))
+    local = folder / name(target)
+    try:
+        yield str(local)
+        fs, p = filesystem(target)
+        # a prefix's files (.bin, .idx, then .json) or the one directory; not the scratch files beside them
+        for made in sorted(entry for entry in folder.iterdir() if entry.name.startswith(local.name)):
+            suffix = made.name[len(local.name):]
+            if made.is_dir():
+                fs.put(str(made), p + suffix, recursive=True)
+            else:
+                fs.put_file(str(made), p + suffix)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _made(folder: Location) -> str:
+    Path(str(folder)).mkdir(parents=True, exist_ok=True)
+    return str(folder)
+
+
+def check(key: str, url: str, must_exist: bool) -> None:
+    """Before any rank starts: `url`'s protocol is known and installed, its bucket (or root) is there, the
+    credentials are accepted, and with `must_exist` the object (or prefix, or glob) itself is there."""
+    fs, p = filesystem(url, key)
+    bucket = p.split("/", 1)[0] if p and not p.startswith("/") else None
+    try:
+        fs.invalidate_cache()
+        if bucket is not None:
+            try:
+                fs.ls(bucket, detail=False)  # raises what exists() hides: no credentials, access refused
+            except FileNotFoundError:
+                raise UserError(f"{key}={url}: bucket '{bucket}' does not exist; create it or choose another") from None
+        if must_exist and not (fs.exists(p) or fs.glob(p)):
+            raise UserError(f"{key}={url} does not exist; check the URL")
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the protocol's own error (no credentials, refused, unreachable)
+        raise UserError(f"{key}={url}: the storage refused or could not be reached ({one_line(e)}); give credentials "
+                        "and endpoint the way the protocol's package reads them (for s3://: AWS_ACCESS_KEY_ID and "
+                        "AWS_SECRET_ACCESS_KEY or ~/.aws, AWS_ENDPOINT_URL for an S3-compatible store)") from None
