@@ -35,6 +35,18 @@ def cpu_kernels() -> str:
             f"{kernel_path(int4.KERNEL_SOURCE)}, rms_norm/swiglu/rotary {kernel_path(cpu.KERNEL_SOURCE)}")
 
 
+def cpu_compute(cfg: DictConfig) -> str:
+    """What this CPU computes and how fast (speedllm.hardware): its ISA features, the GEMM probe per dtype, what
+    hardware.dtype=auto picks from it and what this run uses."""
+    from speedllm.hardware import cpu_dtype, cpu_probe, isa_features, probe_file
+
+    gflops = cpu_probe()
+    rates = ", ".join(f"{name} {rate:g}" for name, rate in gflops.items())
+    return (f"cpu features: {' '.join(isa_features()) or 'none known'}; GEMM probe at {torch.get_num_threads()} "
+            f"threads (GFLOP/s): {rates} ({probe_file()}; delete it to measure again); hardware.dtype=auto picks "
+            f"{cpu_dtype(gflops)}; this run: {cfg.hardware.dtype}")
+
+
 def run(cfg: DictConfig, rt: Runtime) -> None:
     report = _report(cfg, rt)
     # Each rank contributes rank+1; the sum over the world is known in closed form.
@@ -57,6 +69,8 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
         print(f"doctor: {len(reports)}/{rt.world_size} ranks on {hosts} host(s) reported; all-reduce "
               f"{'ok' if ok else 'WRONG'} (sum {value.item():g}, expected {expected:g}); hardware={cfg.hardware.name}")
         print(cpu_kernels())
+        if cfg.hardware.device == "cpu":
+            print(cpu_compute(cfg))
     if not ok:
         raise UserError(f"all-reduce over {rt.world_size} ranks returned {value.item():g} instead of {expected:g}; "
                         f"check the network / backend {cfg.hardware.backend}")
