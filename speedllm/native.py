@@ -46,7 +46,7 @@ def _cpu_flags() -> str:
 
 # CPU features the hardware layer reports and the kernels select on: /proc/cpuinfo's x86 flag, or aarch64 Features
 _FEATURES = {"amx_bf16": "amx_bf16", "amx_int8": "amx_int8", "avx512_bf16": "avx512_bf16",
-             "avx512_vnni": "avx512_vnni", "avx_vnni": "avx_vnni", "avx512f": "avx512f", "avx2": "avx2",
+             "avx512_vnni": "avx512_vnni", "avx_vnni": "avx_vnni", "avx512f": "avx512f", "avx512bw": "avx512bw", "avx2": "avx2",
              "fma": "fma", "neon": "asimd", "sve": "sve", "bf16": "bf16", "i8mm": "i8mm", "dotprod": "asimddp"}
 
 

@@ -32,7 +32,8 @@ def cpu_kernels() -> str:
 
     return (f"cpu kernels on {cpu_name()} ({ISA_ENV}={os.environ.get(ISA_ENV) or 'unset'}; paths here: "
             f"{', '.join(supported_isas())}): int8 matmul {kernel_path(int8.KERNEL_SOURCE)}, int4 matmul "
-            f"{kernel_path(int4.KERNEL_SOURCE)}, rms_norm/swiglu/rotary {kernel_path(cpu.KERNEL_SOURCE)}")
+            f"{kernel_path(int4.KERNEL_SOURCE)}, rms_norm/swiglu/rotary {kernel_path(cpu.KERNEL_SOURCE)}, int8_dyn "
+            f"dot products {int8.int8_dot_variant()}")
 
 
 def cpu_compute(cfg: DictConfig) -> str:
