@@ -1,6 +1,7 @@
 """Training step and decode speed against the strongest peers: ours vs torchtitan vs transformers, side by side.
 
-    python -m benchmarks peer [--steps 7] [--configs vocab_32k qwen3_vocab moe_60m] [--decode] [--compile] [--dry]
+    python -m benchmarks peer [--steps 7] [--configs vocab_32k qwen3_vocab moe_60m] [--dtype bfloat16] [--decode]
+                              [--compile] [--dry]
 
 The same ~42M-parameter Qwen3 (benchmarks/common.py's two configs: `vocab_32k`, 8 layers x 512 at vocab 32,000, and
 `qwen3_vocab`, qwen3_tiny's layers at the real 151,936 vocabulary), batch 4 x 256, fp32, tied embeddings.
@@ -28,6 +29,11 @@ a fresh process, which reports its peak RSS (VmHWM, including ~0.3 GB of Python/
 --compile: the step again with torch.compile on the decoder layers (ours: `train.compile`; torchtitan: its
 per-block compile), with the start-up beside the compiled speed: the wall time of the first compiled step of
 each system alone in a fresh process with an empty compile cache.
+--dtype bfloat16: every system trains in bf16 mixed precision, each by its own setting, which on one CPU device
+is torch.autocast over fp32 weights and optimizer states for all three: ours `hardware.dtype=bfloat16`
+(speedllm.train.build.autocast_for), torchtitan `mixed_precision_param = "bfloat16"` without FSDP
+(torchtitan.distributed.utils.maybe_enable_amp), transformers' Trainer `bf16=True` (its amp autocast). The logits
+check stays fp32; decoding stays fp32.
 --dry: one step and a short decode of the `tiny` config.
 """
 
@@ -63,8 +69,9 @@ def hf_model(config: str):
     return (Qwen3MoeForCausalLM if cfg.num_experts else Qwen3ForCausalLM)(hf_config(cfg))
 
 
-def build(name: str, config: str, hf=None):
-    """(model, step function) for one system; `hf` (transformers' model) supplies the weights."""
+def build(name: str, config: str, hf=None, dtype: str = "float32"):
+    """(model, step function) for one system; `hf` (transformers' model) supplies the weights; dtype bfloat16:
+    forward and backward under torch.autocast (each system's own bf16 setting on one CPU device)."""
     hf = hf if hf is not None else hf_model(config)
     tokens, labels = batch(hf.config.vocab_size)
     num_labels = (labels != -100).sum()
@@ -113,7 +120,8 @@ def build(name: str, config: str, hf=None):
             clip_grad_norm_(model.parameters(), GRAD_CLIP, foreach=True)
 
     def step():
-        forward_backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            forward_backward()
         clip()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -151,9 +159,9 @@ def compile_layers(name: str, model) -> None:
         layer.compile()
 
 
-def bench_training(config: str, systems, steps: int, compile_: bool, clock) -> dict:
+def bench_training(config: str, systems, steps: int, compile_: bool, clock, dtype: str = "float32") -> dict:
     hf = hf_model(config)
-    runs = {name: build(name, config, hf) for name in systems}
+    runs = {name: build(name, config, hf, dtype) for name in systems}
     max_diff = check_logits({name: model for name, (model, _) in runs.items()}, hf.config.vocab_size)
     if compile_:
         for name, (model, step) in runs.items():
@@ -165,7 +173,7 @@ def bench_training(config: str, systems, steps: int, compile_: bool, clock) -> d
     result = {"max_logit_diff": max_diff, "systems": {}}
     for name, t in times.items():
         row = {"median_tokens_per_s": BATCH * SEQ / statistics.median(t), "best_tokens_per_s": BATCH * SEQ / min(t)}
-        result["systems"][name] = row | child(name, config, compile_)
+        result["systems"][name] = row | child(name, config, compile_, dtype)
     return result
 
 
@@ -187,18 +195,18 @@ def profile(config: str, systems, rows: int) -> None:
         print(events.table(sort_by="self_cpu_time_total", row_limit=rows))
 
 
-def child(name: str, config: str, compile_: bool) -> dict:
+def child(name: str, config: str, compile_: bool, dtype: str) -> dict:
     """One system alone in a fresh process with an empty compile cache (run_child): {"peak_rss_gb"}, or with
     compile_ {"compile_s"}."""
     with tempfile.TemporaryDirectory() as cache:
-        return in_fresh_process(__name__, "--child", name, "--configs", config, *["--compile"] * compile_,
-                         env={"TORCHINDUCTOR_CACHE_DIR": cache})
+        return in_fresh_process(__name__, "--child", name, "--configs", config, "--dtype", dtype,
+                                *["--compile"] * compile_, env={"TORCHINDUCTOR_CACHE_DIR": cache})
 
 
-def run_child(name: str, config: str, compile_: bool) -> None:
+def run_child(name: str, config: str, compile_: bool, dtype: str) -> None:
     """Print as JSON the peak RSS in GB of two training steps, or with compile_ the wall time of the first
     compiled step (compilation, its compiler subprocesses included, plus one step) from a cold cache."""
-    model, step = build(name, config)
+    model, step = build(name, config, dtype=dtype)
     if compile_:
         compile_layers(name, model)
         print(json.dumps({"compile_s": timed(step)[0]}))
@@ -208,9 +216,10 @@ def run_child(name: str, config: str, compile_: bool) -> None:
     print(json.dumps({"peak_rss_gb": peak_memory_gb(torch.device("cpu"))}))
 
 
-def print_training(config: str, result: dict, compile_: bool) -> None:
+def print_training(config: str, result: dict, compile_: bool, dtype: str) -> None:
     rows = result["systems"]
-    print(f"\n{config}: {CONFIGS[config]['vocab_size']} vocab, batch {BATCH}x{SEQ}, fp32, "
+    precision = "fp32" if dtype == "float32" else "bf16 autocast over fp32 weights"
+    print(f"\n{config}: {CONFIGS[config]['vocab_size']} vocab, batch {BATCH}x{SEQ}, {precision}, "
           f"{torch.get_num_threads()} threads{', torch.compile' if compile_ else ''}; "
           f"logits equal to transformers' (max |diff| {result['max_logit_diff']:.1e})")
     extra = "compile start-up s" if compile_ else "peak RSS GB"
@@ -248,6 +257,8 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=["vocab_32k", "qwen3_vocab"])
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS[:-1]))
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="training precision of every system (bfloat16: each one's mixed precision)")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile'd steps")
     parser.add_argument("--decode", action="store_true", help="also time greedy decoding against transformers")
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -258,7 +269,7 @@ def main(argv=None) -> None:
     parser.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
     args = parse(parser, argv, steps=1, configs=["tiny"], decode=True, new_tokens=4)
     if args.child:
-        run_child(args.child, args.configs[0], args.compile)
+        run_child(args.child, args.configs[0], args.compile, args.dtype)
         return
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -271,9 +282,11 @@ def main(argv=None) -> None:
         if args.profile:
             profile(config, systems, args.profile)
             continue
-        print_training(config, bench_training(config, systems, args.steps, False, clock), False)
+        print_training(config, bench_training(config, systems, args.steps, False, clock, args.dtype), False,
+                       args.dtype)
         if args.compile:
-            print_training(config, bench_training(config, systems, args.steps, True, clock), True)
+            print_training(config, bench_training(config, systems, args.steps, True, clock, args.dtype), True,
+                           args.dtype)
     if args.decode:
         config = "tiny" if args.dry else "vocab_32k"
         print(f"\ndecode ({config}, fp32, greedy, {args.new_tokens} new tokens, median of 3, prefill subtracted)")

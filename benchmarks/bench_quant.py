@@ -1,4 +1,5 @@
-"""Quantized decode speed: fp32 vs int8_wo vs int4_wo, ours vs transformers with the same torchao quantization.
+"""Quantized decode speed: fp32 vs int8_wo vs int8_dyn vs int4_wo, ours vs transformers with the same torchao
+quantization.
 
     python -m benchmarks quant [--sizes 40m 0.6b] [--batches 1 8] [--new-tokens 16] [--repeats 3]
                                [--paths native avx2 generic] [--no-transformers] [--dry]
@@ -12,7 +13,8 @@ on a quiet one `--threads 0 --clock wall` times what a user's decode gets, on ev
 transformers int8_wo holds the same int8 numbers as ours: torchao Int8WeightOnly projections and output
 projection, and the embedding's dequantized int8 rows. transformers has no int4 row: torchao's int4 needs the
 CUDA-only mslk kernels.
---paths runs our int8_wo / int4_wo rows once per CPU kernel path (speedllm.native: `native` is the best this CPU
+int8_dyn is ours only (torchao's int8 weights times per-row int8 activations on the CPU's integer dot products).
+--paths runs our int8_wo / int8_dyn / int4_wo rows once per CPU kernel path (speedllm.native: `native` is the best this CPU
 supports, the others are forced with SPEEDLLM_CPU_ISA, switched between runs in this one process), all taking
 turns with the same fp32 row; the header names the CPU and its paths. --dry: the `tiny` size, batch 1.
 """
@@ -95,15 +97,15 @@ def runners(cfg, paths=("native",), transformers=True):
         hf_int8.model.embed_tokens.weight = nn.Parameter(q.float() * scale[:, None], requires_grad=False)
         return hf_int8
 
-    models = {name: ours(name) for name in ("none", "int8_wo", "int4_wo")}
+    models = {name: ours(name) for name in ("none", "int8_wo", "int8_dyn", "int4_wo")}
     print(f"{cfg.name}: {num_params(models['none']) / 1e6:.0f}M parameters")
     runs = {"ours fp32": ours_greedy(models["none"]), "ours int8_wo": ours_greedy(models["int8_wo"]),
-            "ours int4_wo": ours_greedy(models["int4_wo"])}
+            "ours int8_dyn": ours_greedy(models["int8_dyn"]), "ours int4_wo": ours_greedy(models["int4_wo"])}
     if transformers:
         runs = {**runs, "transformers fp32": hf_greedy(hf), "transformers int8_wo": hf_greedy(transformers_int8())}
     for path in paths:
         if path != "native":
-            for name in ("int8_wo", "int4_wo"):
+            for name in ("int8_wo", "int8_dyn", "int4_wo"):
                 runs[f"ours {name} ({path})"] = on_path(path, ours_greedy(models[name]))
     return runs
 

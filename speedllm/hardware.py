@@ -1,17 +1,31 @@
-"""Hardware profiles: their schema (HardwareConfig), `hardware=auto` detection, loading one from conf/hardware/."""
+"""Hardware profiles: their schema (HardwareConfig), `hardware=auto` detection, loading one from conf/hardware/;
+what this CPU computes and how fast (ISA features, a GEMM probe per dtype, cached per machine), from which a CPU
+profile's `peak_tflops` and `hardware.dtype=auto` are resolved.
+"""
 
+import hashlib
 import importlib.util
+import json
+import time
 from dataclasses import dataclass, field
 from typing import Dict
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from speedllm.native import cache_dir, cpu_features, cpu_name
 from speedllm.paths import CONF
 
 # hardware.dtype (and convert.dtype) names
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
+AUTO = "auto"  # hardware.dtype=auto: bfloat16 on accelerators, on a CPU what its probe shows faster (cpu_dtype)
+PROBED = ("float32", "bfloat16")  # the dtypes a CPU's probe measures
+# bf16 compute (with fp32 master weights) only where its GEMMs are this much faster than fp32's: the elementwise
+# ops, the casts and the optimizer step stay at memory speed, so a small GEMM gain is lost (a 2-core Zen 5 with
+# AVX512-BF16: 5.2x; AVX2-only CPUs emulate bf16: ~1/20 of fp32)
+BF16_GAIN = 1.5
+PROBE_ROWS, PROBE_K, PROBE_N = 256, 1024, 1024  # the probe's GEMM [rows x K] . [K x N] (probe_rows)
+PROBE_S = 0.05  # seconds of timed calls per dtype
 
 
 @dataclass
@@ -22,11 +36,12 @@ class HardwareConfig:
     device: str = "cpu"  # cpu | cuda | npu
     backend: str = "gloo"  # gloo | nccl | hccl
     ops: str = "reference"  # op implementations: reference | cpu | cuda | npu
-    dtype: str = "float32"  # compute dtype (bf16 on GPU/NPU with fp32 master weights)
+    dtype: str = "float32"  # compute dtype (bf16 with fp32 master weights); auto: resolve_dtype picks
     memory_gb: float = 16.0  # memory per device
     host_memory_gb: float = 64.0  # host RAM per node the job may use (parallel.offload, train.activation_offload)
     host_link_bandwidth_gbps: float = 16.0  # host <-> device copies, per device and direction (PCIe)
     host_memory_bandwidth_gbps: float = 100.0  # host RAM per node (the update of offloaded parameters runs there)
+    # dense FLOP/s per dtype, for MFU and the planner: a data sheet's on accelerators, the GEMM probe's on CPUs
     peak_tflops: Dict[str, float] = field(default_factory=lambda: {"float32": 0.1, "bfloat16": 0.01})
     memory_bandwidth_gbps: float = 20.0
     intra_node_bandwidth_gbps: float = 10.0
@@ -57,3 +72,78 @@ def detect() -> str:
 def load_profile(name: str) -> DictConfig:
     """A profile from conf/hardware/<name>.yaml, typed by the schema."""
     return OmegaConf.merge(OmegaConf.structured(HardwareConfig), OmegaConf.load(CONF / "hardware" / f"{name}.yaml"))
+
+
+def isa_features() -> tuple:
+    """This CPU's ISA features (speedllm.native.cpu_features), where torch can tell also checked by torch
+    (which asks the OS too: AMX tiles must be enabled by the kernel). torch versions without a check skip it."""
+    features = set(cpu_features())
+    for names, check in ((("amx_bf16", "amx_int8"), "_is_amx_tile_supported"),
+                         (("avx512_bf16",), "_is_avx512_bf16_supported"), (("avx512_vnni",), "_is_vnni_supported")):
+        fn = getattr(torch.cpu, check, None)
+        if fn is not None and not fn():
+            features -= set(names)
+    return tuple(f for f in cpu_features() if f in features)
+
+
+def _gemm_gflops(dtype: torch.dtype, rows: int) -> float:
+    """GFLOP/s of torch.mm in `dtype` at [rows x PROBE_K] . [PROBE_K x PROBE_N], calls timed for PROBE_S after
+    a warm one."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(rows, PROBE_K, generator=gen).to(dtype)
+    b = torch.randn(PROBE_K, PROBE_N, generator=gen).to(dtype)
+    torch.mm(a, b)  # the first call of a shape sets up its kernel
+    calls, start = 0, time.perf_counter()
+    while calls == 0 or time.perf_counter() - start < PROBE_S:
+        torch.mm(a, b)
+        calls += 1
+    return 2 * rows * PROBE_K * PROBE_N * calls / (time.perf_counter() - start) / 1e9
+
+
+def probe_rows(name: str, features: tuple) -> int:
+    """The probe's rows for dtype `name`: a training-like PROBE_ROWS, but an emulated bfloat16 (no AMX,
+    AVX512-BF16 or Arm BF16) at 32, where its rate is the same and a call takes 1/8 of a second, not 1."""
+    native = name != "bfloat16" or {"amx_bf16", "avx512_bf16", "bf16"} & set(features)
+    return PROBE_ROWS if native else 32
+
+
+def probe_file():
+    """Where this machine's probe is cached: per CPU (name and features), torch version and thread count."""
+    key = f"{cpu_name()}|{' '.join(cpu_features())}|{torch.__version__}|{torch.get_num_threads()}"
+    return cache_dir().parent / "probe" / f"gemm_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def cpu_probe() -> Dict[str, float]:
+    """GEMM GFLOP/s per dtype of PROBED on this CPU at torch's thread count, measured once per machine and cached
+    beside the kernel cache (measured anew where the cache cannot be written)."""
+    path = probe_file()
+    try:
+        return {k: float(v) for k, v in json.loads(path.read_text()).items()}
+    except (OSError, ValueError):
+        pass
+    gflops = {name: round(_gemm_gflops(DTYPES[name], probe_rows(name, isa_features())), 2) for name in PROBED}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{time.monotonic_ns()}.tmp")
+        tmp.write_text(json.dumps(gflops))
+        tmp.rename(path)  # atomic: a concurrent reader sees all of it or none
+    except OSError:
+        pass
+    return gflops
+
+
+def cpu_dtype(gflops: Dict[str, float]) -> str:
+    """hardware.dtype=auto on a CPU: bfloat16 where its GEMMs are BF16_GAIN x float32's, else float32."""
+    return "bfloat16" if gflops["bfloat16"] >= BF16_GAIN * gflops["float32"] else "float32"
+
+
+def cpu_peaks() -> Dict[str, float]:
+    """This CPU's peak_tflops per dtype: its probe's GEMM rates (per core count in use: torch's threads)."""
+    return {name: rate / 1000 for name, rate in cpu_probe().items()}
+
+
+def resolve_dtype(hw: DictConfig) -> None:
+    """hardware.dtype=auto typed for a profile, in place: on a CPU what its probe shows faster (cpu_dtype, as
+    conf/hardware/cpu.yaml's default), elsewhere bfloat16."""
+    if hw.dtype == AUTO:
+        hw.dtype = cpu_dtype(cpu_probe()) if hw.device == "cpu" else "bfloat16"

@@ -44,6 +44,19 @@ def _cpu_flags() -> str:
     return _cpuinfo("flags") or platform.processor()
 
 
+# CPU features the hardware layer reports and the kernels select on: /proc/cpuinfo's x86 flag, or aarch64 Features
+_FEATURES = {"amx_bf16": "amx_bf16", "amx_int8": "amx_int8", "avx512_bf16": "avx512_bf16",
+             "avx512_vnni": "avx512_vnni", "avx_vnni": "avx_vnni", "avx512f": "avx512f", "avx512bw": "avx512bw", "avx2": "avx2",
+             "fma": "fma", "neon": "asimd", "sve": "sve", "bf16": "bf16", "i8mm": "i8mm", "dotprod": "asimddp"}
+
+
+@functools.cache
+def cpu_features() -> tuple:
+    """This CPU's features of `_FEATURES` (ISA extensions that decide kernels and dtypes), by name."""
+    found = set(_cpu_flags().split()) | set(_cpuinfo("Features").split())
+    return tuple(name for name, flag in _FEATURES.items() if flag in found)
+
+
 def cpu_name() -> str:
     """The CPU's model name, for reports."""
     return _cpuinfo("model name") or platform.processor() or platform.machine()

@@ -26,7 +26,10 @@ TINY_MODEL = dict(name="tiny", vocab_size=96, hidden_size=32, intermediate_size=
 
 
 def _launch_argv(run_dir, *overrides) -> list:
-    return [sys.executable, str(ROOT / "launch.py"), f"hydra.run.dir={run_dir}", *overrides]
+    """The command line; float32 unless the test names a hardware.dtype: the exact-numerics tests hold fp32
+    references, and hardware.dtype=auto picks bfloat16 on a CPU with AMX or AVX512-BF16 (speedllm.hardware)."""
+    dtype = [] if any(o.startswith("hardware.dtype=") for o in overrides) else ["hardware.dtype=float32"]
+    return [sys.executable, str(ROOT / "launch.py"), f"hydra.run.dir={run_dir}", *dtype, *overrides]
 
 
 def _launch(run_dir, *overrides, cwd=None, timeout=300) -> tuple:
@@ -40,7 +43,7 @@ def _launch(run_dir, *overrides, cwd=None, timeout=300) -> tuple:
 @pytest.fixture(scope="session")
 def launch():
     """`launch(run_dir, *overrides, cwd=run_dir, timeout=300) -> (exit code, stdout, stderr)`: `python launch.py
-    hydra.run.dir=<run_dir> <overrides>` run as a user would, from `cwd`."""
+    hydra.run.dir=<run_dir> <overrides>` run as a user would, from `cwd` (in float32 unless told: _launch_argv)."""
     return _launch
 
 

@@ -25,7 +25,7 @@ DENSE = ["model=qwen3_tiny", "model.hidden_size=64", "model.intermediate_size=12
          "model.head_dim=16"]
 MOE = ["model=qwen3_moe_tiny", "model.hidden_size=64", "model.moe_intermediate_size=32",
        "model.num_hidden_layers=2", "model.head_dim=16"]
-RUN = ["hardware=cpu", "task=sft", "data=sft_demo", "train.seq_len=512", "train.micro_batch_size=1",
+RUN = ["hardware=cpu", "hardware.dtype=float32", "task=sft", "data=sft_demo", "train.seq_len=512", "train.micro_batch_size=1",
        "train.global_batch_size=2", "train.steps=5", "train.log_every=1", "train.eval_every=0",
        "optim.warmup_steps=2", "optim.schedule=constant", "logging.progress_bar=false",
        "logging.tensorboard=false", "generate.num_samples=0", "checkpoint.save_final=false"]

@@ -131,7 +131,7 @@ def test_finetune_and_dpo_settings_are_validated_before_launch(overrides, messag
     from speedllm.config.resolve import resolve_layout
     from speedllm.config.validate import validate
 
-    cfg = composed("hardware=cpu", *overrides)
+    cfg = composed("hardware=cpu", "hardware.dtype=float32", *overrides)
     with open_dict(cfg):
         world, nproc = resolve_layout(cfg)
         with pytest.raises(UserError) as err:

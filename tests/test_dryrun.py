@@ -19,7 +19,7 @@ def config():
     """`config(*overrides, world=N)`: the typed run of a task=dryrun command on N ranks (dp inferred)."""
 
     def make(*overrides, world):
-        cfg = compose_config("task=dryrun", "hardware=cpu", *overrides)
+        cfg = compose_config("task=dryrun", "hardware=cpu", "hardware.dtype=float32", *overrides)
         p = cfg.parallel
         p.dp = world // (p.tp * p.pp * p.cp)
         cfg.launcher.nproc_per_node = world
@@ -79,14 +79,14 @@ def test_moe_under_pipeline_and_tensor_parallel_holds_the_planned_bytes(config, 
 
 def test_dryrun_command_prints_one_line_per_rank(launch, tmp_path):
     code, out, err = launch(tmp_path / "run", "task=dryrun", "model=qwen3_moe_tiny", "parallel=ep2", "parallel.ep=4",
-                            "parallel.dp=-1", "hardware=cpu", "launcher.nproc_per_node=32", "dryrun.ranks=[3,7]",
+                            "parallel.dp=-1", "hardware=cpu", "hardware.dtype=float32", "launcher.nproc_per_node=32", "dryrun.ranks=[3,7]",
                             "optim=sgd")
     assert code == 0, err
     lines = [line for line in out.splitlines() if line.startswith("rank ")]
     assert [line.split()[1] for line in lines] == ["3", "7"]
     assert all(line.endswith("= task=plan's exact bytes") for line in lines), out
     code, _, err = launch(tmp_path / "bad", "task=dryrun", "model=qwen3_moe_tiny", "parallel=ep2", "parallel.dp=-1",
-                          "hardware=cpu", "launcher.nproc_per_node=32", "dryrun.ranks=[32]")
+                          "hardware=cpu", "hardware.dtype=float32", "launcher.nproc_per_node=32", "dryrun.ranks=[32]")
     assert code == 2 and "dryrun.ranks: rank 32 is not in the 32-rank job" in err
 
 

@@ -136,7 +136,7 @@ def test_hf_to_ours_to_hf_is_bit_exact(kind, dtype, tmp_path):
     assert_bit_exact(source, tmp_path / "out")
 
 
-CPU = ["hardware=cpu", "logging.progress_bar=false"]
+CPU = ["hardware=cpu", "hardware.dtype=float32", "logging.progress_bar=false"]
 
 
 def test_convert_hf_to_dcp_to_hf_through_the_launcher(tmp_path, launch):
@@ -278,7 +278,7 @@ def test_model_hf_without_load_hf_is_rejected():
     from speedllm.config.validate import validate
 
     with pytest.raises(UserError) as err:
-        validate(compose_config("model=hf", "hardware=cpu"), 1, 1)
+        validate(compose_config("model=hf", "hardware=cpu", "hardware.dtype=float32"), 1, 1)
     assert str(err.value) == ("model=hf takes the model from checkpoint.load_hf's config.json; set "
                               "checkpoint.load_hf=<HF model dir>")
 

@@ -54,7 +54,7 @@ def _model(overrides, world_size, rank=0):
     from speedllm.runtime import Runtime
     from speedllm.train.build import build_model
 
-    cfg = compose_config("hardware=cpu", "seed=11", *overrides)
+    cfg = compose_config("hardware=cpu", "hardware.dtype=float32", "seed=11", *overrides)
     mesh = build_mesh(cfg.parallel, "cpu") if world_size > 1 else None
     return build_model(cfg, Runtime(rank=rank, world_size=world_size, mesh=mesh, ep=cfg.parallel.ep))
 

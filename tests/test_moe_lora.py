@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.numerics, pytest.mark.slow]
 TARGETS = "finetune.targets=[q_proj,v_proj,experts]"
 RUN = ["task=sft", "model=hf", "finetune=lora", "finetune.rank=4", "finetune.alpha=8", "train.seq_len=32",
        "train.micro_batch_size=1", "train.global_batch_size=2", "optim.warmup_steps=0", "optim.schedule=constant",
-       "hardware=cpu", "logging.progress_bar=false", "generate.num_samples=0", "train.eval_every=0",
+       "hardware=cpu", "hardware.dtype=float32", "logging.progress_bar=false", "generate.num_samples=0", "train.eval_every=0",
        "train.log_every=1", "checkpoint.every=5"]
 # the parallel runs: SGD, whose update is linear in the gradient, so the layouts' fp32 summation orders stay
 # ~1e-7 apart (AdamW turns that noise in near-zero gradient entries into whole lr-sized steps of single entries)
@@ -93,7 +93,7 @@ def test_peft_export_and_merged_export_give_our_logits(launch, trained, hf_dir, 
     assert all(adapters[k].abs().max() > 0 for k in adapters if ".experts.adapter.lora_B." in k)  # experts trained
 
     tokens = torch.randint(0, 8192, (2, 24), generator=torch.Generator().manual_seed(0))
-    cfg = compose_config("task=generate", "hardware=cpu", f"checkpoint.load={ckpt}", "generate.prompt=x",
+    cfg = compose_config("task=generate", "hardware=cpu", "hardware.dtype=float32", f"checkpoint.load={ckpt}", "generate.prompt=x",
                          f"run_dir={tmp_path / 'gen'}")
     OmegaConf.resolve(cfg)
     adopt_checkpoint_config(cfg)
@@ -168,5 +168,5 @@ def test_expert_targets_on_a_dense_model_and_dropout_are_refused_before_launch(l
             (["model=qwen3_tiny", "finetune.targets=[experts]"], "has no experts"),
             (["model=qwen3_moe_tiny", "finetune.targets=[experts]", "finetune.dropout=0.1"],
              "LoRA on the experts has no dropout")]):
-        code, _, err = launch(tmp_path / str(n), "task=sft", "finetune=lora", "hardware=cpu", *overrides)
+        code, _, err = launch(tmp_path / str(n), "task=sft", "finetune=lora", "hardware=cpu", "hardware.dtype=float32", *overrides)
         assert code == 2 and message in err, err[-2000:]

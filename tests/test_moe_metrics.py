@@ -24,7 +24,7 @@ MODEL = dict(vocab_size=8192, hidden_size=64, intermediate_size=64, moe_intermed
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
              mlp_only_layers=[0])
 MOE_LAYERS = [1, 2, 3]
-RUN = ["task=pretrain", "model=hf", "hardware=cpu", "train.seq_len=32", "train.micro_batch_size=2",
+RUN = ["task=pretrain", "model=hf", "hardware=cpu", "hardware.dtype=float32", "train.seq_len=32", "train.micro_batch_size=2",
        "train.global_batch_size=8", "train.log_every=1", "train.eval_every=0", "train.steps=1",
        "checkpoint.save_final=false", "logging.progress_bar=false", "generate.num_samples=0"]
 LAYOUTS = {"single": ["parallel=single"], "ep2": ["parallel=ep2"], "pp2": ["parallel=pp2"]}

@@ -26,7 +26,7 @@ HIDDEN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "g
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 # 2-layer, 64-wide Qwen3 on 32-token sequences, 2 micro-batches of 2 per step; a constant lr after 2 warmup steps
 TINY = ["model=qwen3_tiny", "model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2",
-        "model.head_dim=16", "hardware=cpu", "train.seq_len=32", "train.micro_batch_size=2", "train.log_every=1", "train.eval_every=0", "optim=muon",
+        "model.head_dim=16", "hardware=cpu", "hardware.dtype=float32", "train.seq_len=32", "train.micro_batch_size=2", "train.log_every=1", "train.eval_every=0", "optim=muon",
         "optim.warmup_steps=2", "optim.schedule=constant", "logging.progress_bar=false",
         "logging.tensorboard=false", "generate.num_samples=0"]
 

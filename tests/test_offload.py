@@ -136,7 +136,7 @@ def test_offload_params_builds_fsdp2_with_its_cpu_offload_policy():
     from speedllm.runtime import init_fake_runtime
     from speedllm.train.build import meta_model
 
-    cfg = typed(compose_config("model=qwen3_tiny", "parallel=fsdp2", "parallel.offload=params", "hardware=cpu",
+    cfg = typed(compose_config("model=qwen3_tiny", "parallel=fsdp2", "parallel.offload=params", "hardware=cpu", "hardware.dtype=float32",
                                "run_dir=."))
     try:
         pm = meta_model(cfg, init_fake_runtime(cfg, 0, 2))

@@ -49,7 +49,7 @@ def test_elementwise_ops_match_reference(impl, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("impl", [impl for impl in IMPLS if impl != "cpu"])  # cpu: bf16 is the reference's
+@pytest.mark.parametrize("impl", IMPLS)
 def test_rms_norm_of_a_bf16_input_with_an_fp32_weight_stays_fused(impl, device):
     """As under bf16 autocast: a mixed-dtype call would fall back to unfused ops (torch warns) on a GPU."""
     x, w = rand(2, 5, 64, device=device).bfloat16(), rand(64, device=device)
@@ -108,10 +108,35 @@ def test_cpu_kernels_match_reference_tightly():
             assert torch.equal(fn(*inputs), out)
 
 
-def test_cpu_op_set_falls_back_to_reference_where_no_kernel_applies():
-    """bf16, a non-contiguous input and cos/sin that want a gradient take the reference path, with its values."""
+def test_cpu_kernels_take_bf16_activations_rounding_once():
+    """bf16 activations (fp32 weights and cos/sin, as under autocast) run the fused kernels' bf16 versions: the
+    values and input gradients are the fp32 reference's on the same bf16 inputs, rounded to bf16 (within 2^-8
+    of the largest value: the output's rounding, and for gradients the incoming gradient's; measured 2^-9)."""
     ops = get_ops("cpu")
-    x, w = rand(6, 8, 32).bfloat16(), rand(32).bfloat16()
+    gen = torch.Generator().manual_seed(0)
+    randn = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    cos, sin = randn(3, 5, 40), randn(3, 5, 40)
+    cases = [
+        ("_RMSNorm", lambda x, w: ops.rms_norm(x, w, 1e-6), lambda x, w: reference.rms_norm(x, w, 1e-6),
+         [randn(3, 5, 4, 40) * 3, randn(40)]),
+        ("_Rotary", lambda x: ops.rotary(x, cos.bfloat16(), sin.bfloat16()),
+         lambda x: reference.rotary(x, cos.bfloat16(), sin.bfloat16()), [randn(3, 5, 4, 40)]),
+        ("_SwiGLU", ops.swiglu, reference.swiglu, [randn(4, 33, 1537) * 30, randn(4, 33, 1537)]),
+    ]
+    for node, fn, ref_fn, inputs in cases:
+        bf16 = [inputs[0].bfloat16(), *[t.bfloat16() if node == "_SwiGLU" else t for t in inputs[1:]]]
+        out, grads = fused_and_reference(fn, ref_fn, bf16)[0]
+        assert type(out.grad_fn).__name__ == node + "Backward" and out.dtype == torch.bfloat16
+        exact, exact_grads = fused_and_reference(ref_fn, ref_fn, [t.float() for t in bf16])[0]
+        for got, want in [(out, exact), *zip(grads, exact_grads)]:
+            error = (got.float() - want).abs().max() / want.abs().max()
+            assert error <= 2**-8, (node, error)
+
+
+def test_cpu_op_set_falls_back_to_reference_where_no_kernel_applies():
+    """fp16, a non-contiguous input and cos/sin that want a gradient take the reference path, with its values."""
+    ops = get_ops("cpu")
+    x, w = rand(6, 8, 32).half(), rand(32).half()
     assert ops.rms_norm(x, w, 1e-6).grad_fn is None and torch.equal(ops.rms_norm(x, w, 1e-6),
                                                                     reference.rms_norm(x, w, 1e-6))
     check(lambda x, w: ops.rms_norm(x.transpose(0, 1), w, 1e-6),

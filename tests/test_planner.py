@@ -47,7 +47,7 @@ def test_predicted_peak_within_15_percent_of_measured_single_process(overrides, 
     """The second of two real training steps (the loop's build_model / train_step): peak live tensor bytes."""
     from speedllm.runtime import Runtime
 
-    cfg = compose_config("hardware=cpu", "parallel=single", "train.seq_len=128", *overrides)
+    cfg = compose_config("hardware=cpu", "hardware.dtype=float32", "parallel=single", "train.seq_len=128", *overrides)
     cfg.run_dir = str(tmp_path)
     torch.manual_seed(0)
     measured = measure_training_step(cfg, Runtime())
@@ -63,7 +63,7 @@ def test_planned_optimizer_bytes_are_the_optimizers_own(optim, tmp_path):
     """SGD keeps nothing (or one momentum buffer), Adafactor rows + columns per matrix: as torch allocates them."""
     from speedllm.runtime import Runtime
 
-    cfg = compose_config("hardware=cpu", "parallel=single", "train.seq_len=32", "train.micro_batch_size=2",
+    cfg = compose_config("hardware=cpu", "hardware.dtype=float32", "parallel=single", "train.seq_len=32", "train.micro_batch_size=2",
                          "train.global_batch_size=2", *optim)
     cfg.run_dir = str(tmp_path)
     measured = measure_training_step(cfg, Runtime())

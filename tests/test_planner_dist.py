@@ -18,7 +18,7 @@ from speedllm.planner.search import Planner, problem_from_config
 
 pytestmark = pytest.mark.distributed
 
-COMMON = ["hardware=cpu", "train.seq_len=128", "train.micro_batch_size=2", "train.global_batch_size=4",
+COMMON = ["hardware=cpu", "hardware.dtype=float32", "train.seq_len=128", "train.micro_batch_size=2", "train.global_batch_size=4",
           "train.loss_chunk_size=256"]
 
 

@@ -236,7 +236,7 @@ def test_quantizing_while_loading_equals_quantizing_the_loaded_model(name, tied,
 
     save_tiny_hf(tmp_path / "hf", tokenizer=False, vocab_size=128, hidden_size=64, intermediate_size=128,
                  tie_word_embeddings=tied)
-    base = ["task=generate", "hardware=cpu", f"run_dir={tmp_path}", "quant.group_size=32"]
+    base = ["task=generate", "hardware=cpu", "hardware.dtype=float32", f"run_dir={tmp_path}", "quant.group_size=32"]
     hf = ["model=hf", f"checkpoint.load_hf={tmp_path / 'hf'}"]
     hf_to_dcp(str(tmp_path / "hf"), str(tmp_path / "dcp"), composed(*base, *hf))
     expected = quantize_for_inference(load_model(composed(*base, *hf), Runtime()), quant(name)).state_dict()
@@ -257,7 +257,7 @@ def test_quantizing_while_loading_never_holds_the_full_precision_model(save_tiny
 
     save_tiny_hf(tmp_path / "hf", tokenizer=False, vocab_size=128, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=8, tie_word_embeddings=True)
-    base = ["task=generate", "hardware=cpu", f"run_dir={tmp_path}", "model=hf", f"checkpoint.load_hf={tmp_path / 'hf'}"]
+    base = ["task=generate", "hardware=cpu", "hardware.dtype=float32", f"run_dir={tmp_path}", "model=hf", f"checkpoint.load_hf={tmp_path / 'hf'}"]
     with PeakTensorMemory() as whole:
         fp32 = load_model(composed(*base), Runtime())
         fp32_bytes = sum(p.numel() * 4 for p in fp32.parameters())

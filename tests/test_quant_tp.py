@@ -37,7 +37,7 @@ def config(root, source, name, tp):
 
     weights = ([f"checkpoint.load={root / 'dcp'}"] if source == "dcp" else
                ["model=hf", f"checkpoint.load_hf={root / 'hf'}"])
-    cfg = composed("task=generate", "hardware=cpu", f"run_dir={root}", f"quant={name}", "quant.group_size=32",
+    cfg = composed("task=generate", "hardware=cpu", "hardware.dtype=float32", f"run_dir={root}", f"quant={name}", "quant.group_size=32",
                    "parallel=tp2" if tp == 2 else "parallel=single", *weights)
     adopt_checkpoint_config(cfg)
     return cfg
@@ -90,7 +90,7 @@ def root(tmp_path_factory, save_tiny_hf):
     save_tiny_hf(root / "hf", tokenizer=False, vocab_size=128, hidden_size=64, intermediate_size=128,
                  tie_word_embeddings=False)
     hf_to_dcp(str(root / "hf"), str(root / "dcp"), composed("model=hf", f"checkpoint.load_hf={root / 'hf'}",
-                                                            "hardware=cpu", f"run_dir={root}"))
+                                                            "hardware=cpu", "hardware.dtype=float32", f"run_dir={root}"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -130,7 +130,7 @@ def test_tp2_quantized_model_computes_the_single_process_quantized_model(source,
 def test_generate_task_under_tp2_with_int4_writes_the_single_process_rows(hf_dir, tmp_path, launch):
     path, _, _ = hf_dir
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "Once upon a time"}\n{"prompt": "The cat"}\n')
-    common = ["task=generate", "hardware=cpu", "model=hf", f"checkpoint.load_hf={path}", "quant=int4_wo",
+    common = ["task=generate", "hardware=cpu", "hardware.dtype=float32", "model=hf", f"checkpoint.load_hf={path}", "quant=int4_wo",
               "quant.group_size=32", f"generate.prompts_file={tmp_path}/prompts.jsonl", "generate.max_new_tokens=8",
               "generate.batch_size=2"]
     for parallel in ("single", "tp2"):

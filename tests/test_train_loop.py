@@ -31,7 +31,7 @@ pytestmark = pytest.mark.numerics
 
 # A 2-layer, 64-wide Qwen3 on 32-token sequences: 2 micro-batches of 2 per step (gradient accumulation).
 TINY = ["model=qwen3_tiny", "model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2",
-        "model.head_dim=16", "hardware=cpu", "train.seq_len=32", "train.micro_batch_size=2",
+        "model.head_dim=16", "hardware=cpu", "hardware.dtype=float32", "train.seq_len=32", "train.micro_batch_size=2",
         "train.global_batch_size=4", "train.log_every=1", "train.eval_every=0", "optim.warmup_steps=3",
         "optim.lr=3e-3", "logging.progress_bar=false", "generate.num_samples=0"]
 

@@ -14,13 +14,30 @@ def _hf_model(path, key):
     return hf_model_field(path, key)
 
 
+def _cpu_dtype():
+    """`${cpu_dtype:}`: what hardware.dtype=auto picks on this CPU (conf/hardware/cpu.yaml)."""
+    from speedllm.hardware import cpu_dtype, cpu_probe
+
+    return cpu_dtype(cpu_probe())
+
+
+def _cpu_peaks():
+    """`${cpu_peaks:}`: this CPU's peak_tflops per dtype, its GEMM probe's (conf/hardware/cpu.yaml)."""
+    from speedllm.hardware import cpu_peaks
+
+    return cpu_peaks()
+
+
 def register_configs() -> None:
-    """Register the root schema, the `${asset:...}` resolver (absolute path under the bundled assets) and
-    `${hf_model:...}`."""
+    """Register the root schema, the `${asset:...}` resolver (absolute path under the bundled assets),
+    `${hf_model:...}`, and `${cpu_dtype:}` / `${cpu_peaks:}` (this CPU's measured choice and peaks)."""
     if not OmegaConf.has_resolver("asset"):
         OmegaConf.register_new_resolver("asset", lambda rel: str(ASSETS / rel))
     if not OmegaConf.has_resolver("hf_model"):
         OmegaConf.register_new_resolver("hf_model", _hf_model, use_cache=True)
+    if not OmegaConf.has_resolver("cpu_dtype"):
+        OmegaConf.register_new_resolver("cpu_dtype", _cpu_dtype)
+        OmegaConf.register_new_resolver("cpu_peaks", _cpu_peaks)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     for schema in OPTIMIZERS.values():

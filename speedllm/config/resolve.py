@@ -1,6 +1,7 @@
 """Resolution: fill in what the user left to us, before the one pre-flight check (speedllm.config.validate).
 
-    hardware=auto        -> the profile of the devices this machine has
+    hardware=auto        -> the profile of the devices this machine has (the hardware.* values typed kept)
+    hardware.dtype=auto  -> on a CPU, what its GEMM probe shows faster; the CPU's peaks measured (speedllm.hardware)
     model=hf             -> the fields of checkpoint.load_hf's config.json, as values
     checkpoint.load      -> the model and tokenizer the checkpoint was trained with (inference tasks)
     launcher.nnodes > 1  -> the node rank and rendezvous host from SLURM
@@ -10,13 +11,14 @@
 import importlib.util
 import os
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from speedllm import storage
 from speedllm.checkpoint.dcp import read_saved_config, resolve_load
 from speedllm.config.validate import validate_values
 from speedllm.errors import UserError
-from speedllm.hardware import detect, load_profile
+from speedllm.hardware import detect, load_profile, resolve_dtype
 from speedllm.runtime import under_torchrun
 
 
@@ -50,8 +52,22 @@ def resolve_model(cfg: DictConfig) -> None:
 
 
 def resolve_hardware(cfg: DictConfig) -> None:
+    """hardware=auto becomes the detected profile, with the hardware.* values the user typed on top (an explicit
+    hardware.dtype wins whatever the profile says); then its dtype and a CPU's peaks (speedllm.hardware)."""
     if cfg.hardware.name == "auto":
-        cfg.hardware = load_profile(detect())
+        typed = {key: cfg.hardware[key] for key in typed_hardware_keys(cfg)}
+        cfg.hardware = OmegaConf.merge(load_profile(detect()), typed)
+    resolve_dtype(cfg.hardware)
+
+
+def typed_hardware_keys(cfg: DictConfig) -> list:
+    """The hardware.<key>s set on the command line (Hydra's overrides), or where the config was composed
+    without Hydra's app (speedllm.config.compose_config), those differing from the hardware=auto profile."""
+    if HydraConfig.initialized():
+        overrides = (o.lstrip("+~").partition("=")[0] for o in HydraConfig.get().overrides.task)
+        return sorted({o.split(".")[1] for o in overrides if o.startswith("hardware.")} - {"name"})
+    auto = load_profile("auto")
+    return [key for key in auto if key != "name" and cfg.hardware[key] != auto[key]]
 
 
 def resolve_nodes(cfg: DictConfig) -> None:

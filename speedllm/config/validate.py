@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from speedllm.errors import UserError
 from speedllm.generation.sampling import MIN_TEMPERATURE
-from speedllm.hardware import DTYPES
+from speedllm.hardware import AUTO, DTYPES
 from speedllm.models.config import PROJECTIONS
 from speedllm.native import isa
 from speedllm.ops import IMPLEMENTATIONS
@@ -36,7 +36,7 @@ CHOICES = {
     "hardware.device": ("cpu", "cuda", "npu"),
     "hardware.backend": ("gloo", "nccl", "hccl"),
     "hardware.ops": IMPLEMENTATIONS,
-    "hardware.dtype": tuple(DTYPES),
+    "hardware.dtype": (*DTYPES, AUTO),
     "parallel.cp_mode": ("allgather", "ring", "ulysses", "hybrid"),
     "parallel.pp_schedule": PP_SCHEDULES,
     "parallel.offload": OFFLOAD,

@@ -13,7 +13,7 @@ from torch import nn
 
 from speedllm.adapters.lora import adapter_fn
 from speedllm.hardware import DTYPES
-from speedllm.quant import own_cpu_layers, quantize_for_inference, quantize_linears
+from speedllm.quant import inference_scheme, own_cpu_layers, quantize_for_inference, quantize_linears
 from speedllm.runtime import Runtime
 
 
@@ -81,7 +81,8 @@ def load_quantized(model: nn.Module, cfg: DictConfig, device: torch.device, tp_l
     embed = source.int8_table("embed_tokens.weight", model.embed_tokens.weight.shape, dtype)
     head = embed if model.cfg.tie_word_embeddings else source.int8_table("lm_head.weight",
                                                                           model.lm_head.weight.shape, dtype)
-    model.embed_tokens, model.lm_head = Int8Embedding(*embed, dtype), Int8Linear(*head, dtype)
+    model.embed_tokens = Int8Embedding(*embed, dtype)
+    model.lm_head = Int8Linear(*head, dtype, dynamic=inference_scheme(cfg.quant.name) == "int8_dyn")
     for key, layer in model.layers.items():
         layer.to_empty(device=device)
         source.fill(layer, f"layers.{key}.")

@@ -4,9 +4,10 @@ whose backward writes each expert's gradients in place; the reference ops for th
 Each fused op does in one pass over memory what the reference does in several torch ops and temporaries, and
 saves less for backward: RMSNorm keeps its input and one fp32 rstd per row, SwiGLU its two inputs (the sigmoid is
 recomputed), RoPE nothing. Same math as `reference`, accumulated in fp32 (only the order of additions differs;
-tests/test_ops.py holds values and gradients against it). A kernel covers plain fp32 CPU tensors; anything else
-(another dtype, a DTensor, tracing by torch.compile, tensors of cos/sin that want a gradient, a machine without a
-C compiler) takes the reference twin.
+tests/test_ops.py holds values and gradients against it). A kernel covers plain CPU tensors whose activations are
+all fp32 or all bf16 (bf16 mixed precision: the weights, cos/sin and statistics stay fp32, a bf16 weight is
+widened); anything else (another dtype, a DTensor, tracing by torch.compile, tensors of cos/sin that want a
+gradient, a machine without a C compiler) takes the reference twin.
 """
 
 import ctypes
@@ -25,6 +26,7 @@ __all__ = ["rms_norm", "rotary", "attention", "varlen_attention", "swiglu", "gro
 
 KERNEL_SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+_SUFFIX = {torch.float32: "", torch.bfloat16: "_bf16"}  # the kernels' activation types (cpu_kernels.c)
 _SIGNATURES = {
     "rms_norm_fwd": [_P] * 4 + [_L, _L, ctypes.c_float, _I],
     "rms_norm_bwd": [_P] * 7 + [_L, _L, _I],
@@ -44,8 +46,14 @@ def _kernels(path: str):
     lib = load(KERNEL_SOURCE, path)
     if lib is not None:
         for name, argtypes in _SIGNATURES.items():
-            getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
+            for suffix in _SUFFIX.values():
+                getattr(lib, name + suffix).argtypes, getattr(lib, name + suffix).restype = argtypes, None
     return lib
+
+
+def _kernel(name: str, activations: torch.Tensor):
+    """The kernel `name` for the dtype of `activations`."""
+    return getattr(kernels(), name + _SUFFIX[activations.dtype])
 
 
 def _plain(*tensors: torch.Tensor) -> bool:
@@ -54,9 +62,11 @@ def _plain(*tensors: torch.Tensor) -> bool:
         type(t) in (torch.Tensor, nn.Parameter) and t.device.type == "cpu" for t in tensors)
 
 
-def _fused(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels take these tensors: plain fp32 CPU tensors, and the kernels are built."""
-    return _plain(*tensors) and kernels() is not None and all(t.dtype == torch.float32 for t in tensors)
+def _fused(*activations: torch.Tensor, params=()) -> bool:
+    """Whether the kernels take these tensors: plain CPU tensors, the activations all fp32 or all bf16, the
+    params (weights, cos/sin) either, and the kernels are built."""
+    return (_plain(*activations, *params) and kernels() is not None and activations[0].dtype in _SUFFIX
+            and all(t.dtype == activations[0].dtype for t in activations) and all(p.dtype in _SUFFIX for p in params))
 
 
 def _threads(numel: int) -> int:
@@ -77,9 +87,9 @@ def _needs_grad(*tensors: torch.Tensor) -> bool:
 
 def _rms_norm_fwd(x, weight, eps):
     x = x.contiguous()
-    y, rstd = torch.empty_like(x), torch.empty(x.numel() // x.shape[-1])
-    kernels().rms_norm_fwd(_ptr(x), _ptr(weight), _ptr(y), _ptr(rstd), rstd.numel(), x.shape[-1], eps,
-                           _threads(x.numel()))
+    y, rstd, w = torch.empty_like(x), torch.empty(x.numel() // x.shape[-1]), weight.float()
+    _kernel("rms_norm_fwd", x)(_ptr(x), _ptr(w), _ptr(y), _ptr(rstd), rstd.numel(), x.shape[-1], eps,
+                               _threads(x.numel()))
     return x, y, rstd
 
 
@@ -94,18 +104,20 @@ class _RMSNorm(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        dy, threads = dy.contiguous(), _threads(dy.numel())
+        dy, threads = dy.to(x.dtype).contiguous(), _threads(dy.numel())
         dx = torch.empty_like(x)
-        dw = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        dw = torch.empty(weight.shape) if ctx.needs_input_grad[1] else None
         scratch = torch.empty(threads, weight.numel()) if dw is not None else None
-        kernels().rms_norm_bwd(_ptr(dy), _ptr(x), _ptr(weight), _ptr(rstd), _ptr(dx),
-                               None if dw is None else _ptr(dw), None if dw is None else _ptr(scratch),
-                               rstd.numel(), x.shape[-1], threads)
-        return dx, dw, None
+        w = weight.float()
+        _kernel("rms_norm_bwd", x)(_ptr(dy), _ptr(x), _ptr(w), _ptr(rstd), _ptr(dx),
+                                   None if dw is None else _ptr(dw), None if dw is None else _ptr(scratch),
+                                   rstd.numel(), x.shape[-1], threads)
+        return dx, None if dw is None else dw.to(weight.dtype), None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if not (_fused(x, weight) and weight.is_contiguous() and weight.shape == x.shape[-1:]):
+    """In x's dtype: under bf16 autocast (a bf16 x, an fp32 weight) bf16, as the accelerators' op sets."""
+    if not (_fused(x, params=(weight,)) and weight.is_contiguous() and weight.shape == x.shape[-1:]):
         return reference.rms_norm(x, weight, eps)
     return _RMSNorm.apply(x, weight, eps) if _needs_grad(x, weight) else _rms_norm_fwd(x, weight, eps)[1]
 
@@ -113,7 +125,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def _swiglu_fwd(gate, up):
     gate, up = gate.contiguous(), up.contiguous()
     y = torch.empty_like(gate)
-    kernels().swiglu_fwd(_ptr(gate), _ptr(up), _ptr(y), y.numel(), _threads(y.numel()))
+    _kernel("swiglu_fwd", gate)(_ptr(gate), _ptr(up), _ptr(y), y.numel(), _threads(y.numel()))
     return gate, up, y
 
 
@@ -128,10 +140,10 @@ class _SwiGLU(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        dy = dy.contiguous()
+        dy = dy.to(gate.dtype).contiguous()
         dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-        kernels().swiglu_bwd(_ptr(dy), _ptr(gate), _ptr(up), _ptr(dgate), _ptr(dup), dy.numel(),
-                             _threads(dy.numel()))
+        _kernel("swiglu_bwd", gate)(_ptr(dy), _ptr(gate), _ptr(up), _ptr(dgate), _ptr(dup), dy.numel(),
+                                    _threads(dy.numel()))
         return dgate, dup
 
 
@@ -143,9 +155,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def _rotary(x, cos, sin, backward: bool):
     x = x.contiguous()
-    y = torch.empty_like(x)
+    y, cos, sin = torch.empty_like(x), cos.float(), sin.float()  # kept alive through the call
     B, S, H, Dh = x.shape
-    kernels().rotary(_ptr(x), _ptr(cos), _ptr(sin), _ptr(y), B * S, H, Dh, int(backward), _threads(x.numel()))
+    _kernel("rotary", x)(_ptr(x), _ptr(cos), _ptr(sin), _ptr(y), B * S, H, Dh, int(backward), _threads(x.numel()))
     return y
 
 
@@ -153,24 +165,24 @@ class _Rotary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin):
         ctx.save_for_backward(cos, sin)
+        ctx.dtype = x.dtype
         return _rotary(x, cos, sin, backward=False)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
         cos, sin = ctx.saved_tensors
-        return _rotary(dy, cos, sin, backward=True), None, None
+        return _rotary(dy.to(ctx.dtype), cos, sin, backward=True), None, None
 
 
 def rotary(x_BSHD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor) -> torch.Tensor:
     B, S, _, Dh = x_BSHD.shape
-    if not (_fused(x_BSHD, cos_BSD, sin_BSD) and Dh % 2 == 0 and cos_BSD.shape == sin_BSD.shape == (B, S, Dh)
+    if not (_fused(x_BSHD, params=(cos_BSD, sin_BSD)) and Dh % 2 == 0 and cos_BSD.shape == sin_BSD.shape == (B, S, Dh)
             and cos_BSD.is_contiguous() and sin_BSD.is_contiguous()
             and not (cos_BSD.requires_grad or sin_BSD.requires_grad)):
         return reference.rotary(x_BSHD, cos_BSD, sin_BSD)
-    if _needs_grad(x_BSHD):
-        return _Rotary.apply(x_BSHD, cos_BSD, sin_BSD)
-    return _rotary(x_BSHD, cos_BSD, sin_BSD, backward=False)
+    y = _Rotary.apply(x_BSHD, cos_BSD, sin_BSD) if _needs_grad(x_BSHD) else _rotary(x_BSHD, cos_BSD, sin_BSD, False)
+    return y.to(torch.promote_types(x_BSHD.dtype, cos_BSD.dtype))  # the reference's dtype
 
 
 class _GroupedMM(torch.autograd.Function):

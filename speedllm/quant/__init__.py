@@ -1,15 +1,16 @@
 """Quantization applied from outside the model (`quant=` config group), like parallelism.
 
-Which weights: the projections of attention and of the dense MLP (`QUANTIZED`); on CPUs under the weight-only
-schemes also the embedding and the output projection, as one int8 table (`quantize_embeddings`; tied, one table
+Which weights: the projections of attention and of the dense MLP (`QUANTIZED`); on CPUs under the schemes with
+our own layers (`CPU_LAYERS`) also the embedding and the output projection, as one int8 table (`quantize_embeddings`; tied, one table
 serves both). Norms and the MoE router stay in full precision; MoE experts too (their weights are stacked 3-D
 tensors used by a grouped matmul, which neither torchao's `quantize_` nor torch's packed matmuls take).
 
     inference (task=generate/chat/evaluate/convert): quantize_for_inference() on a loaded model, or
-    speedllm.generation.load.load_quantized() while loading (CPU, weight-only schemes)
+    speedllm.generation.load.load_quantized() while loading (CPU, CPU_LAYERS)
         int8_wo   CPU: speedllm.quant.int8 (torchao's int8 numbers, our C kernel); GPU: torchao Int8WeightOnlyConfig
         int4_wo   CPU: speedllm.quant.int4 (torchao's int4 numbers, our C kernel); GPU: torchao Int4WeightOnlyConfig
-        int8_dyn  torchao Int8DynamicActivationInt8WeightConfig
+        int8_dyn  CPU: speedllm.quant.int8 with int8 activations (integer dot products); GPU: torchao
+                  Int8DynamicActivationInt8WeightConfig
         qat_int4  = int4_wo (the scheme it was trained against)
         float8    torchao Float8DynamicActivationFloat8WeightConfig (float8 hardware only)
     under tensor parallelism each rank quantizes its own shards, with tp=1's numbers for the weight-only schemes
@@ -27,7 +28,7 @@ from speedllm.models.config import PROJECTIONS
 QUANT_NAMES = ("none", "int8_wo", "int4_wo", "int8_dyn", "float8", "qat_int4")
 TRAINING = ("none", "float8", "qat_int4")
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
-WEIGHT_ONLY = ("int8_wo", "int4_wo")  # inference schemes with our own CPU layers (speedllm.quant.int8 / int4)
+CPU_LAYERS = ("int8_wo", "int4_wo", "int8_dyn")  # inference schemes with our own CPU layers (quant.int8 / int4)
 QUANTIZED = PROJECTIONS
 
 
@@ -59,14 +60,14 @@ def bytes_per_weight(name: str, dtype_bytes: float, group_size: int = 128) -> fl
 
 
 def int8_tables(name: str) -> bool:
-    """Whether quant=name keeps the embedding and output projection in int8: the weight-only schemes on CPUs,
-    where the int8 kernel is (the planner counts this format; on GPUs torchao quantizes the projections only)."""
-    return inference_scheme(name) in WEIGHT_ONLY
+    """Whether quant=name keeps the embedding and output projection in int8: the CPU_LAYERS schemes on CPUs,
+    where the int8 kernels are (the planner counts this format; on GPUs torchao quantizes the projections only)."""
+    return inference_scheme(name) in CPU_LAYERS
 
 
 def own_cpu_layers(name: str, device: torch.device) -> bool:
     """Whether quant=name on `device` runs on our own CPU layers (speedllm.quant.int8 / int4 projections and the
-    int8 tables) rather than torchao's: the weight-only schemes on CPUs."""
+    int8 tables) rather than torchao's: the CPU_LAYERS schemes on CPUs."""
     return device.type == "cpu" and int8_tables(name)
 
 
@@ -78,14 +79,15 @@ def _swap_linears(model: nn.Module, make) -> None:
             model.get_submodule(parent_name).register_module(child, make(module))
 
 
-def quantize_embeddings(model: nn.Module) -> None:
+def quantize_embeddings(model: nn.Module, dynamic: bool = False) -> None:
     """The embedding and output projection of a Qwen3 (or of its pipeline stage) in int8, per row; tied, they
     share one int8 table. At batch-1 decode the output projection is the largest single read (a quarter of
     qwen3_0.6b's weights).
 
     Under tensor parallelism every rank holds the whole table, not a vocabulary shard: the int8 table is smaller
     than the fp32 shard it replaces while tp < 4, one table still serves the tied pair, and no rank has to
-    all-reduce the embedding or all-gather the logits (plain modules, no DTensor hooks).
+    all-reduce the embedding or all-gather the logits (plain modules, no DTensor hooks). dynamic: the output
+    projection quantizes its activations too (quant=int8_dyn).
     """
     from torch.distributed.tensor import DTensor
 
@@ -100,7 +102,8 @@ def quantize_embeddings(model: nn.Module) -> None:
         model.embed_tokens = Int8Embedding(*table, embed.weight.dtype)
     if head is not None:
         tied = embed is not None and head.weight is embed.weight
-        model.lm_head = Int8Linear(*(table if tied else quantize_int8(whole(head.weight))), head.weight.dtype)
+        model.lm_head = Int8Linear(*(table if tied else quantize_int8(whole(head.weight))), head.weight.dtype,
+                                   dynamic)
 
 
 @torch.no_grad()
@@ -115,7 +118,7 @@ def quantize_for_inference(model: nn.Module, quant, tp_linear=None) -> nn.Module
     if scheme == "none":
         return model
     if own_cpu_layers(scheme, next(model.parameters()).device):
-        quantize_embeddings(model)
+        quantize_embeddings(model, scheme == "int8_dyn")
     quantize_linears(model, quant, tp_linear)
     return model
 
@@ -136,8 +139,8 @@ def quantize_linears(module: nn.Module, quant, tp_linear=None) -> None:
             from speedllm.quant.int4 import Int4Linear
             from speedllm.quant.int8 import Int8Linear
 
-            if scheme == "int8_wo":
-                return Int8Linear.from_linear(linear, group)
+            if scheme in ("int8_wo", "int8_dyn"):
+                return Int8Linear.from_linear(linear, group, dynamic=scheme == "int8_dyn")
             return Int4Linear.from_linear(linear, quant.group_size)
         from torchao.quantization import quantize_
 

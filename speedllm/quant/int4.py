@@ -9,7 +9,7 @@ numbers it was trained against (scales and zeros are kept in fp32, activations s
 Why our own kernel: torch's packed int4 CPU matmul (`_weight_int4pack_mm_for_cpu`, bf16 activations) was only
 x0.9-1.6 of an fp32 matmul at qwen3_0.6b's decode sizes on an AVX2 CPU (benchmarks/bench_quant.py,
 docs/benchmarks/cpu-kernels.md); int4_kernel.c reads half a byte per weight and widens the nibbles in
-registers, with AVX2, NEON and portable-C paths (speedllm.native picks one). Without a compiler the reference
+registers, with AVX-512, AVX2, NEON and portable-C paths (speedllm.native picks one). Without a compiler the reference
 twin runs: F.linear on the dequantized weight.
 
 Letters: N rows (tokens), D in features, O out features, G groups (D / group_size), U units of 32 features.

@@ -8,7 +8,9 @@
  * lanes to 32 bits gives 8 lanes of 4 nibbles, and nibble k is `lane & (0xF << 4k)`: q * 16^k exactly, which
  * meets x[d] * 16^-k (exact: a power of two), prepared once per call in xk. Per 8 weights: AND, convert, FMA.
  * x fp32 [N, D], packed uint8 [O, D / 2], s and z fp32 [O, G], y fp32 [N, O]; group_size a multiple of 32.
- * Built by speedllm/native.py for one path: SPEEDLLM_ISA_AVX2 (also used on AVX-512 hosts) | _NEON | _GENERIC.
+ * Built by speedllm/native.py for one path: SPEEDLLM_ISA_AVX512 | _AVX2 | _NEON | _GENERIC. The AVX-512 path reads
+ * the same layout a unit at a time: its 8 lanes twice in one 16-lane register, masked for nibbles 0 and 1 (then 2
+ * and 3), meet 16 consecutive xk: two FMAs per 32 weights where AVX2 needs four.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -18,7 +20,54 @@
 #define ROWS 4  /* activation rows sharing one widened weight unit */
 #define AHEAD 4 /* weight rows prefetched ahead */
 
-#if defined(SPEEDLLM_ISA_AVX512) || defined(SPEEDLLM_ISA_AVX2)
+#if defined(SPEEDLLM_ISA_AVX512)
+#if !defined(__AVX512F__)
+#error "SPEEDLLM_ISA_AVX512 needs a compiler target with AVX-512F"
+#endif
+#include <immintrin.h>
+#define PATH "avx512"
+
+/* a unit's 8 lanes, twice: 16 x 32 bits */
+static inline __m512i lanes2(const uint8_t *unit) {
+    return _mm512_broadcast_i64x4(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)unit)));
+}
+
+/* nibbles k and k + 1 of the 8 lanes (mask: 0xF << 4k in lanes 0..7, 0xF << 4(k + 1) in lanes 8..15), scaled
+ * by 16^k and 16^(k + 1) as xk expects */
+static inline __m512 nibbles2(__m512i v, __m512i mask) { return _mm512_cvtepi32_ps(_mm512_and_si512(v, mask)); }
+
+static void dots(const float *xk, const uint8_t *row, const float *s, long rows, long D, long group, float *out) {
+    const __m512i m01 = _mm512_set_epi32(0xF0, 0xF0, 0xF0, 0xF0, 0xF0, 0xF0, 0xF0, 0xF0, 0xF, 0xF, 0xF, 0xF, 0xF,
+                                         0xF, 0xF, 0xF);
+    const __m512i m23 = _mm512_slli_epi32(m01, 8);
+    __m512 tot[ROWS];
+    for (long n = 0; n < rows; n++) tot[n] = _mm512_setzero_ps();
+    for (long g0 = 0; g0 < D; g0 += group) {
+        __m512 a0[ROWS], a1[ROWS];
+        for (long n = 0; n < rows; n++) a0[n] = a1[n] = _mm512_setzero_ps();
+        for (long d = g0; d < g0 + group; d += UNIT) {
+            __m512i v = lanes2(row + d / 2);
+            __m512 c01 = nibbles2(v, m01), c23 = nibbles2(v, m23);
+            for (long n = 0; n < rows; n++) {
+                const float *x = xk + n * D + d;
+                a0[n] = _mm512_fmadd_ps(c01, _mm512_loadu_ps(x), a0[n]);
+                a1[n] = _mm512_fmadd_ps(c23, _mm512_loadu_ps(x + 16), a1[n]);
+            }
+        }
+        __m512 scale = _mm512_set1_ps(s[g0 / group]);
+        for (long n = 0; n < rows; n++) tot[n] = _mm512_fmadd_ps(_mm512_add_ps(a0[n], a1[n]), scale, tot[n]);
+    }
+    for (long n = 0; n < rows; n++) out[n] = _mm512_reduce_add_ps(tot[n]);
+}
+
+/* the decode case (one activation row) */
+static float dot1(const float *xk, const uint8_t *row, const float *s, long D, long group) {
+    float out;
+    dots(xk, row, s, 1, D, group, &out);
+    return out;
+}
+
+#elif defined(SPEEDLLM_ISA_AVX2)
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "SPEEDLLM_ISA_AVX2 needs a compiler target with AVX2 and FMA"
 #endif

@@ -178,4 +178,108 @@ void int8_wo_mm(const float *x, const int8_t *w, const float *s, float *y, long 
     }
 }
 
+/* int8 weights x dynamically quantized int8 activations: y[n, o] = (acc[n, o] * xs[n]) * s[o] with
+ * acc = sum_d xq[n, d] * w[o, d] in int32 (exact), xs[n] = max_d |x[n, d]| / 127, xq = round(x / xs) in -127..127
+ * (to nearest even; a zero row stays zero). Its reference twin (int8.py int8_dq_mm_reference) computes the same
+ * integers, so every variant below equals it to the bit. The dot products, one per instruction set, chosen by
+ * int8.py (int8_dot_variant: the CPU's features within the kernel path) and built here whatever the build's target
+ * (each with its own target attribute), so a build on any x86-64 host carries them all:
+ *   generic      plain C;
+ *   avx2         vpmaddubsw + vpmaddwd: u8 x s8 pairs summed to 16 bits, which would saturate for u8 = x + 128;
+ *                instead |w| (u8, at most 128) times x carrying w's sign (s8, |x| <= 127): 2 x 128 x 127 < 2^15;
+ *   avxvnni      vpdpbusd (VEX): the same operands, four products straight into 32 bits;
+ *   avx512vnni   vpdpbusd on 64 bytes: u8 = x + 128 (AVX-512 has no byte sign), minus 128 x sum(w) (a second
+ *                vpdpbusd against ones). */
+#include <math.h>
+#include <stdlib.h>
+
+typedef int32_t (*dot_i8)(const int8_t *x, const int8_t *w, long D);
+
+static int32_t dot_i8_generic(const int8_t *x, const int8_t *w, long D) {
+    int32_t acc = 0;
+    for (long d = 0; d < D; d++) acc += (int32_t)x[d] * w[d];
+    return acc;
+}
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+__attribute__((target("avx2"))) static inline int32_t sum8_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+__attribute__((target("avx2"))) static int32_t dot_i8_avx2(const int8_t *x, const int8_t *w, long D) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, ones = _mm256_set1_epi16(1);
+    long d = 0;
+    for (; d + 64 <= D; d += 64) {
+        __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + d)), x0 = _mm256_loadu_si256((const __m256i *)(x + d));
+        __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + d + 32));
+        __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + d + 32));
+        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0),
+                                                                         _mm256_sign_epi8(x0, w0)), ones));
+        a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1),
+                                                                         _mm256_sign_epi8(x1, w1)), ones));
+    }
+    int32_t acc = sum8_epi32(_mm256_add_epi32(a0, a1));
+    return acc + dot_i8_generic(x + d, w + d, D - d);
+}
+
+__attribute__((target("avx2,avxvnni"))) static int32_t dot_i8_avxvnni(const int8_t *x, const int8_t *w, long D) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0;
+    long d = 0;
+    for (; d + 64 <= D; d += 64) {
+        __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + d)), x0 = _mm256_loadu_si256((const __m256i *)(x + d));
+        __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + d + 32));
+        __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + d + 32));
+        a0 = _mm256_dpbusd_avx_epi32(a0, _mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0));
+        a1 = _mm256_dpbusd_avx_epi32(a1, _mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1));
+    }
+    int32_t acc = sum8_epi32(_mm256_add_epi32(a0, a1));
+    return acc + dot_i8_generic(x + d, w + d, D - d);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) static int32_t dot_i8_avx512vnni(const int8_t *x,
+                                                                                         const int8_t *w, long D) {
+    __m512i acc = _mm512_setzero_si512(), wsum = acc, ones = _mm512_set1_epi8(1), offset = _mm512_set1_epi8(-128);
+    long d = 0;
+    for (; d + 64 <= D; d += 64) {
+        __m512i wv = _mm512_loadu_si512(w + d);
+        acc = _mm512_dpbusd_epi32(acc, _mm512_xor_si512(_mm512_loadu_si512(x + d), offset), wv); /* x + 128 */
+        wsum = _mm512_dpbusd_epi32(wsum, ones, wv);
+    }
+    int32_t total = _mm512_reduce_add_epi32(acc) - 128 * _mm512_reduce_add_epi32(wsum);
+    return total + dot_i8_generic(x + d, w + d, D - d);
+}
+#endif
+
+/* variant: 0 generic, 1 avx2, 2 avxvnni, 3 avx512vnni (int8.py INT8_DOTS; x86 ones only on x86-64) */
+void int8_dq_mm(const float *x, const int8_t *w, const float *s, float *y, long N, long D, long O, int variant,
+                int threads) {
+    dot_i8 dot = dot_i8_generic;
+#if defined(__x86_64__)
+    const dot_i8 x86[] = {dot_i8_generic, dot_i8_avx2, dot_i8_avxvnni, dot_i8_avx512vnni};
+    dot = x86[variant];
+#endif
+    int8_t *xq = malloc(N * D);
+    float *xs = malloc(sizeof(float) * N);
+    for (long n = 0; n < N; n++) {
+        const float *xr = x + n * D;
+        float amax = 0.0f;
+        for (long d = 0; d < D; d++) amax = fmaxf(amax, fabsf(xr[d]));
+        xs[n] = amax / 127.0f;
+        for (long d = 0; d < D; d++) xq[n * D + d] = amax > 0.0f ? (int8_t)nearbyintf(xr[d] / xs[n]) : 0;
+    }
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long o = 0; o < O; o++) {
+        const int8_t *row = w + o * D;
+        if (o + AHEAD < O)
+            for (long d = 0; d < D; d += 64) __builtin_prefetch(row + AHEAD * D + d, 0, 3);
+        for (long n = 0; n < N; n++) y[n * O + o] = (float)dot(xq + n * D, row, D) * xs[n] * s[o];
+    }
+    free(xq);
+    free(xs);
+}
+
 const char *speedllm_path(void) { return PATH; } /* for task=doctor */

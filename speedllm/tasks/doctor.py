@@ -32,7 +32,20 @@ def cpu_kernels() -> str:
 
     return (f"cpu kernels on {cpu_name()} ({ISA_ENV}={os.environ.get(ISA_ENV) or 'unset'}; paths here: "
             f"{', '.join(supported_isas())}): int8 matmul {kernel_path(int8.KERNEL_SOURCE)}, int4 matmul "
-            f"{kernel_path(int4.KERNEL_SOURCE)}, rms_norm/swiglu/rotary {kernel_path(cpu.KERNEL_SOURCE)}")
+            f"{kernel_path(int4.KERNEL_SOURCE)}, rms_norm/swiglu/rotary {kernel_path(cpu.KERNEL_SOURCE)}, int8_dyn "
+            f"dot products {int8.int8_dot_variant()}")
+
+
+def cpu_compute(cfg: DictConfig) -> str:
+    """What this CPU computes and how fast (speedllm.hardware): its ISA features, the GEMM probe per dtype, what
+    hardware.dtype=auto picks from it and what this run uses."""
+    from speedllm.hardware import cpu_dtype, cpu_probe, isa_features, probe_file
+
+    gflops = cpu_probe()
+    rates = ", ".join(f"{name} {rate:g}" for name, rate in gflops.items())
+    return (f"cpu features: {' '.join(isa_features()) or 'none known'}; GEMM probe at {torch.get_num_threads()} "
+            f"threads (GFLOP/s): {rates} ({probe_file()}; delete it to measure again); hardware.dtype=auto picks "
+            f"{cpu_dtype(gflops)}; this run: {cfg.hardware.dtype}")
 
 
 def run(cfg: DictConfig, rt: Runtime) -> None:
@@ -57,6 +70,8 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
         print(f"doctor: {len(reports)}/{rt.world_size} ranks on {hosts} host(s) reported; all-reduce "
               f"{'ok' if ok else 'WRONG'} (sum {value.item():g}, expected {expected:g}); hardware={cfg.hardware.name}")
         print(cpu_kernels())
+        if cfg.hardware.device == "cpu":
+            print(cpu_compute(cfg))
     if not ok:
         raise UserError(f"all-reduce over {rt.world_size} ranks returned {value.item():g} instead of {expected:g}; "
                         f"check the network / backend {cfg.hardware.backend}")

@@ -1,0 +1,111 @@
+"""What the CPU computes (speedllm.hardware): the GEMM probe and its cache, hardware.dtype=auto chosen from it,
+an explicit hardware.dtype winning under hardware=auto, and a bf16 mixed-precision run on CPU that freezes what ran.
+
+A probe's values are given by writing its cache file (where the machine keeps them), so the choice a CPU with
+AVX512-BF16 or AMX makes is checked here too; this machine's own probe is measured once by the cache test.
+"""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from speedllm.config import compose_config
+from speedllm.config.resolve import resolve_hardware
+from speedllm.hardware import PROBED, cpu_dtype, cpu_probe, probe_file
+from speedllm.native import cache_dir
+from speedllm.train.metrics import flops_per_token
+
+pytestmark = pytest.mark.unit
+
+# the [1024x1536].[1536x4096] rates of a 2-core AMD EPYC Zen 5 (AVX512-BF16), and of an AVX2-only one
+ZEN5 = {"float32": 163.0, "bfloat16": 847.0}
+AVX2 = {"float32": 100.0, "bfloat16": 2.0}
+TINY = ["model=qwen3_tiny", "model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2",
+        "model.head_dim=16", "train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4",
+        "train.steps=2", "train.log_every=1", "train.eval_every=0", "logging.progress_bar=false",
+        "logging.tensorboard=false", "generate.num_samples=0"]
+
+
+@pytest.fixture
+def probed(tmp_path, monkeypatch):
+    """`probed(gflops)`: a cache (XDG_CACHE_HOME) in which this machine's probe measured `gflops`; the compiled
+    kernels are this user's (linked, not rebuilt). Returns the environment for a launched process."""
+
+    def make(gflops):
+        kernels = cache_dir()
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+        (tmp_path / "cache" / "speedllm").mkdir(parents=True, exist_ok=True)
+        if kernels.is_dir() and not cache_dir().exists():
+            cache_dir().symlink_to(kernels)
+        path = probe_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(gflops))
+        return dict(os.environ)
+
+    return make
+
+
+def hardware(*overrides) -> dict:
+    cfg = compose_config(*overrides)
+    resolve_hardware(cfg)
+    return OmegaConf.to_container(cfg.hardware, resolve=True)
+
+
+def test_auto_dtype_and_peaks_follow_the_probe(probed):
+    assert cpu_dtype(ZEN5) == "bfloat16" and cpu_dtype(AVX2) == "float32"
+    assert cpu_dtype({"float32": 100.0, "bfloat16": 140.0}) == "float32"  # under BF16_GAIN: the casts eat it
+    probed(ZEN5)
+    for overrides in [(), ("hardware=cpu",), ("hardware.dtype=auto",)]:
+        hw = hardware(*overrides)
+        assert (hw["name"], hw["dtype"]) == ("cpu", "bfloat16"), overrides
+        assert hw["peak_tflops"] == {"float32": 0.163, "bfloat16": 0.847}
+    assert hardware("hardware.dtype=bfloat16", "hardware.memory_gb=8")["memory_gb"] == 8  # typed values stay
+    assert hardware("hardware=cuda", "hardware.dtype=auto")["dtype"] == "bfloat16"
+    probed(AVX2)
+    assert hardware()["dtype"] == "float32" and hardware("hardware=cpu", "hardware.dtype=bfloat16")["dtype"] == "bfloat16"
+
+
+def test_the_probe_measures_once_per_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert not probe_file().exists()
+    measured = cpu_probe()
+    assert tuple(measured) == PROBED and all(rate > 0 for rate in measured.values())
+    assert json.loads(probe_file().read_text()) == measured
+    probe_file().write_text(json.dumps(ZEN5))  # read back, not measured again
+    assert cpu_probe() == ZEN5
+
+
+def test_doctor_reports_the_choice_and_an_explicit_dtype_wins(tmp_path, probed, launch_argv):
+    env = probed(ZEN5)
+
+    def doctor(*overrides) -> str:
+        proc = subprocess.run(launch_argv(tmp_path / "run", "task=doctor", *overrides), capture_output=True,
+                              text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return next(line for line in proc.stdout.splitlines() if line.startswith("cpu features:"))
+
+    line = doctor("hardware.dtype=float32")  # under hardware=auto
+    assert "float32 163, bfloat16 847" in line and line.endswith("auto picks bfloat16; this run: float32")
+
+
+def test_bf16_mixed_precision_on_cpu_freezes_what_ran(tmp_path, launch):
+    """Typed under hardware=auto (the default), bfloat16 runs: autocast over fp32 master weights, MFU against
+    the probe's bfloat16 peak, the frozen config saying so; the losses are float32's to bf16's precision."""
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        code, _, err = launch(tmp_path / dtype, *TINY, f"hardware.dtype={dtype}")
+        assert code == 0, err
+        frozen = OmegaConf.load(tmp_path / dtype / "config.yaml")
+        assert (frozen.hardware.name, frozen.hardware.dtype) == ("cpu", dtype)
+        assert dict(frozen.hardware.peak_tflops) == pytest.approx({k: v / 1000 for k, v in cpu_probe().items()})
+        records = [json.loads(line) for line in (tmp_path / dtype / "metrics.jsonl").read_text().splitlines()]
+        flops = flops_per_token(frozen.model, 32)
+        for r in records:
+            assert r["mfu"] == pytest.approx(r["tokens_per_s"] * flops / (frozen.hardware.peak_tflops[dtype] * 1e12))
+        runs[dtype] = [r["loss"] for r in records]
+    assert runs["bfloat16"] != runs["float32"]  # bf16 matmuls ran
+    assert runs["bfloat16"] == pytest.approx(runs["float32"], rel=0.01)
