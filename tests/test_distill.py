@@ -1,0 +1,119 @@
+"""task=distill: the chunked divergences against TRL's GKD loss and torch's kl_div (values and gradients), the task
+end to end on a transformers-saved teacher, and its one-line errors."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from speedllm.ops import IGNORE_INDEX
+from speedllm.train.distill_loss import STATS, Objective, distill_loss
+
+pytestmark = pytest.mark.numerics
+
+N, DS, DT, V = 24, 16, 32, 300
+
+
+def operands(seed=0):
+    """Student and teacher hidden states and output weights, and labels with a few unlabelled positions."""
+    g = torch.Generator().manual_seed(seed)
+    h_s, w_s = torch.randn(N, DS, generator=g), torch.randn(V, DS, generator=g) * 0.5
+    h_t, w_t = torch.randn(N, DT, generator=g), torch.randn(V, DT, generator=g) * 0.5
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[[0, 5, 6]] = IGNORE_INDEX
+    return h_s, w_s, h_t, w_t, labels
+
+
+def ours(objective, chunk_size=0, seed=0):
+    """(mean loss over labelled positions, grad of the student's hidden states, of its weight, stats)."""
+    h_s, w_s, h_t, w_t, labels = operands(seed)
+    h_s.requires_grad_(True)
+    w_s.requires_grad_(True)
+    stats = torch.zeros(len(STATS))
+    total = distill_loss(h_s, w_s, labels, chunk_size, teacher_hidden=h_t, teacher_weight=w_t, objective=objective,
+                         stats=stats)
+    count = (labels != IGNORE_INDEX).sum()
+    (total / count).backward()
+    return total.item() / count.item(), h_s.grad, w_s.grad, stats
+
+
+def reference(loss_fn, seed=0):
+    """(loss, grad of the student's hidden states, of its weight) of loss_fn(student logits, teacher logits,
+    labels) through autograd on the full logits."""
+    h_s, w_s, h_t, w_t, labels = operands(seed)
+    h_s.requires_grad_(True)
+    w_s.requires_grad_(True)
+    loss = loss_fn(h_s @ w_s.t(), h_t @ w_t.t(), labels)
+    loss.backward()
+    return loss.item(), h_s.grad, w_s.grad
+
+
+def assert_same(a, b):
+    assert a[0] == pytest.approx(b[0], abs=1e-6)
+    torch.testing.assert_close(a[1], b[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a[2], b[2], rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def trl_jsd():
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl.experimental.gkd.gkd_trainer import GKDTrainer
+
+    return GKDTrainer.generalized_jsd_loss
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_jsd_equals_trl_generalized_jsd_loss(trl_jsd, beta, temperature):
+    expected = reference(lambda s, t, labels: trl_jsd(s, t, labels=labels, beta=beta, temperature=temperature))
+    for chunk_size in (0, 5):  # one chunk, and chunks of 5 positions (the last one short)
+        assert_same(ours(Objective("jsd", beta=beta, temperature=temperature), chunk_size), expected)
+
+
+def kl_div(forward: bool, temperature: float):
+    def loss(s, t, labels):
+        log_ps, log_pt = F.log_softmax(s / temperature, -1), F.log_softmax(t / temperature, -1)
+        keep = labels != IGNORE_INDEX
+        inputs, target = (log_ps, log_pt) if forward else (log_pt, log_ps)
+        return F.kl_div(inputs[keep], target[keep], reduction="batchmean", log_target=True)
+    return loss
+
+
+@pytest.mark.parametrize("loss", ["forward_kl", "reverse_kl"])
+def test_kl_equals_torch_kl_div_on_the_full_logits(loss):
+    for temperature, chunk_size in ((1.0, 0), (2.0, 7)):
+        expected = reference(kl_div(loss == "forward_kl", temperature))
+        assert_same(ours(Objective(loss, temperature=temperature), chunk_size), expected)
+
+
+def test_ce_weight_mixes_the_labels_cross_entropy_and_stats_are_the_batch_sums():
+    def mixed(s, t, labels):
+        return 0.7 * kl_div(True, 2.0)(s, t, labels) + 0.3 * F.cross_entropy(s, labels, ignore_index=IGNORE_INDEX)
+
+    result = ours(Objective("forward_kl", temperature=2.0, ce_weight=0.3), chunk_size=4)
+    assert_same(result, reference(mixed))
+    h_s, w_s, h_t, w_t, labels = operands()
+    s, t = h_s @ w_s.t(), h_t @ w_t.t()
+    keep = labels != IGNORE_INDEX
+    kl, ce, agree, count = result[3].tolist()
+    assert count == keep.sum().item()
+    assert kl / count == pytest.approx(kl_div(True, 2.0)(s, t, labels).item(), abs=1e-6)
+    assert ce / count == pytest.approx(F.cross_entropy(s, labels, ignore_index=IGNORE_INDEX).item(), abs=1e-6)
+    assert agree == (s.argmax(-1) == t.argmax(-1))[keep].sum().item()
+
+
+def test_top_k_teacher_is_renormalized_over_its_top_k():
+    k = 10
+
+    def truncated(s, t, labels):
+        top = t.topk(k, dim=-1).indices
+        log_pt = torch.full_like(t, -torch.inf).scatter(-1, top, F.log_softmax(t.gather(-1, top), -1))
+        log_ps = F.log_softmax(s, -1)
+        keep = labels != IGNORE_INDEX
+        per_position = torch.where(log_pt > -torch.inf, log_pt.exp() * (log_pt - log_ps), 0.0).sum(-1)
+        return per_position[keep].mean()
+
+    assert_same(ours(Objective("forward_kl", top_k=k), chunk_size=6), reference(truncated))
+    full = ours(Objective("forward_kl", top_k=V))
+    assert_same(full, ours(Objective("forward_kl")))  # k = V is the whole distribution
