@@ -117,3 +117,64 @@ def test_top_k_teacher_is_renormalized_over_its_top_k():
     assert_same(ours(Objective("forward_kl", top_k=k), chunk_size=6), reference(truncated))
     full = ours(Objective("forward_kl", top_k=V))
     assert_same(full, ours(Objective("forward_kl")))  # k = V is the whole distribution
+
+
+# ------------------------------------------------------------------------------------------- the task
+
+# lr 1e-9: the held-out metrics, taken after step 1, are those of the starting weights
+DISTILL = ["task=distill", "data=sft_demo", "data.packing=false", "train.seq_len=64", "train.steps=1",
+           "optim.warmup_steps=0", "optim.schedule=constant", "optim.lr=1e-9", "optim.min_lr=0", "train.eval_every=1",
+           "train.eval_steps=1", "checkpoint.save_final=false"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(teacher, student): transformers-saved Qwen3s over the demo tokenizer, the student narrower."""
+    from test_hf import save_hf
+
+    root = tmp_path_factory.mktemp("models")
+    teacher = save_hf("dense_tied", root / "teacher", max_shard_size="1MB", vocab_size=8192)
+    student = save_hf("dense_tied", root / "student", max_shard_size="1MB", vocab_size=8192, hidden_size=32,
+                      intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+    return teacher, student
+
+
+def test_step_one_equals_trl_on_transformers_logits(models, tmp_path, launch, trl_jsd):
+    """python launch.py task=distill with a transformers-saved teacher and student: the first step's loss and
+    metrics (training and held-out) equal TRL's GKD loss and torch on the two transformers models' logits."""
+    import json
+
+    from test_train_loop import TINY
+    from transformers import AutoModelForCausalLM
+
+    from speedllm.config import compose_config
+    from speedllm.data.loader import build_loader
+
+    teacher_dir, student_dir = models
+    run = [o for o in TINY if not o.startswith("model")]
+    overrides = [*run, *DISTILL, "model=hf", f"checkpoint.load_hf={student_dir}", f"distill.teacher={teacher_dir}",
+                 "distill.loss=jsd", "distill.beta=0.5", "distill.temperature=2.0", "distill.ce_weight=0.2"]
+    code, out, err = launch(tmp_path / "run", *overrides)
+    assert code == 0, err[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train, valid = records
+
+    cfg = compose_config(*overrides, f"run_dir={tmp_path / 'run'}")
+    teacher, student = (AutoModelForCausalLM.from_pretrained(d).eval() for d in models)
+    for record, split, count in ((train, "train", 2), (valid, "valid", 1)):  # 2 micro-batches, 1 eval batch
+        loader = build_loader(cfg, split, 0, 1, cfg.train.micro_batch_size, cfg.train.seq_len, cfg.seed)
+        batches = [next(loader) for _ in range(count)] if split == "train" else [next(iter(loader))]
+        tokens = torch.cat([b["tokens"] for b in batches])
+        labels = torch.cat([b["labels"] for b in batches])
+        with torch.no_grad():
+            s, t = student(tokens).logits, teacher(tokens).logits
+        keep = labels != IGNORE_INDEX
+        ce = F.cross_entropy(s[keep], labels[keep]).item()
+        expected = 0.8 * trl_jsd(s, t, labels=labels, beta=0.5, temperature=2.0).item() + 0.2 * ce
+        assert record["distill/loss"] == pytest.approx(expected, rel=1e-5), split
+        assert record["distill/ce"] == pytest.approx(ce, rel=1e-5)
+        kl = F.kl_div(F.log_softmax(s[keep] / 2, -1), F.log_softmax(t[keep] / 2, -1), reduction="batchmean",
+                      log_target=True).item()
+        assert record["distill/kl"] == pytest.approx(kl, rel=1e-5)
+        assert record["distill/top1_agree"] == pytest.approx((s.argmax(-1) == t.argmax(-1))[keep].float().mean())
+    assert train["loss"] == train["distill/loss"] and (tmp_path / "run" / "tensorboard").is_dir()
