@@ -178,3 +178,57 @@ def test_step_one_equals_trl_on_transformers_logits(models, tmp_path, launch, tr
         assert record["distill/kl"] == pytest.approx(kl, rel=1e-5)
         assert record["distill/top1_agree"] == pytest.approx((s.argmax(-1) == t.argmax(-1))[keep].float().mean())
     assert train["loss"] == train["distill/loss"] and (tmp_path / "run" / "tensorboard").is_dir()
+
+
+def bad_teachers(teacher_dir, root):
+    """Directories that are not a teacher for the demo-tokenizer student: keyed by what is wrong."""
+    import json
+    import shutil
+
+    config = json.loads((teacher_dir / "config.json").read_text())
+    wider = root / "wider"
+    wider.mkdir()
+    (wider / "config.json").write_text(json.dumps({**config, "vocab_size": 8320}))
+    other = root / "other_tokenizer"
+    shutil.copytree(teacher_dir, other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    a, b = list(vocab)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens trade ids: same size, another tokenizer
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    empty = root / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("not a model")
+    return {"wider": wider, "other": other, "empty": empty}
+
+
+def test_bad_input_is_one_line_before_launch(models, tmp_path, launch):
+    from omegaconf import open_dict
+
+    from speedllm.config import compose_config
+    from speedllm.config.resolve import resolve_layout
+    from speedllm.config.validate import validate
+    from speedllm.errors import UserError
+
+    bad = bad_teachers(models[0], tmp_path)
+    cases = [
+        ([], "task=distill needs distill.teacher=<Hugging Face model dir or checkpoint dir"),
+        ([f"distill.teacher={bad['wider']}"], "has vocab_size=8320 but the student (model=qwen3_tiny) has "
+                                              "vocab_size=8192; distill between models of one vocabulary"),
+        ([f"distill.teacher={bad['other']}"], "its tokenizer"),
+        ([f"distill.teacher={models[0]}", "distill.top_k=0"], "distill.top_k=0 must be >= 1"),
+        ([f"distill.teacher={models[0]}", "distill.top_k=8193"], "distill.top_k=8193 exceeds the vocabulary (8192)"),
+        ([f"distill.teacher={models[0]}", "distill.top_k=5", "distill.loss=reverse_kl"], "is infinite where the "
+         "student puts mass outside the teacher's top k"),
+        ([f"distill.teacher={tmp_path / 'nowhere'}"], "does not exist"),
+    ]
+    for overrides, message in cases:
+        cfg = compose_config("hardware=cpu", "task=distill", *overrides)
+        with open_dict(cfg):
+            world, nproc = resolve_layout(cfg)
+            with pytest.raises(UserError) as err:
+                validate(cfg, world, nproc)
+        assert message in str(err.value) and "\n" not in str(err.value), (overrides, str(err.value))
+    code, out, err = launch(tmp_path / "run", "task=distill", "hardware=cpu", f"distill.teacher={bad['empty']}")
+    assert code == 2 and not (tmp_path / "run").exists()
+    assert f"distill.teacher={bad['empty']} is not a model: no config.json" in err and len(err.strip().splitlines()) == 1
