@@ -3,6 +3,7 @@
 Letters: N tokens, D hidden, I expert intermediate size, E experts, k experts per token.
 """
 
+import contextlib
 from typing import Optional, Tuple
 
 import torch
@@ -54,6 +55,8 @@ class MoE(nn.Module):
         # Expert load of the training forwards since the last `take_expert_load`: tokens routed to each expert,
         # router entropy summed over tokens, tokens. Not state: checkpoints leave it out.
         self.register_buffer("load_tally", torch.zeros(cfg.num_experts + 2), persistent=False)
+        # Router replay (speedllm.models.moe.Routes, set by record_routes / replay_routes); None: the router decides.
+        self.routes = None
 
     def forward(
         self, x_BSD: torch.Tensor, token_mask: Optional[torch.Tensor] = None
@@ -68,6 +71,9 @@ class MoE(nn.Module):
         logits_NE = self.gate(x_ND)
         probs_NE = F.softmax(logits_NE, dim=-1, dtype=torch.float32)
         weights_Nk, experts_Nk = torch.topk(probs_NE, self.top_k, dim=-1)
+        if self.routes is not None:
+            experts_Nk = self.routes.route(experts_Nk, x_BSD.shape[:2], token_mask)
+            weights_Nk = probs_NE.gather(1, experts_Nk)
         if self.norm_topk_prob:
             weights_Nk = weights_Nk / weights_Nk.sum(dim=-1, keepdim=True)
         weights_Nk = weights_Nk.to(x_ND.dtype)
@@ -102,6 +108,68 @@ class MoE(nn.Module):
         """Add one forward's statistics (as `forward` returns them) to `load_tally`."""
         assigned_E, _, num_tokens, entropy = stats
         self.load_tally += torch.cat([assigned_E, entropy.reshape(1), num_tokens.reshape(1)])
+
+
+class Routes:
+    """The experts each token of one MoE layer is sent to, for a rollout and its training forward (router replay).
+
+    Recording (`given` None): every forward's top-k expert ids are kept, [B, S, k] each, in `recorded`.
+    Replaying: `given` [B, S, k] expert ids (-1 in a token's row: the router's own choice) replace the top-k of
+    the next forwards (a recompute under activation checkpointing gets the same); the router's probabilities
+    of the given experts weight them, so the router still learns. `changed` counts the real tokens (token_mask)
+    whose own top-k set differs from the given one: the routes replay kept from changing.
+    """
+
+    def __init__(self, given: Optional[torch.Tensor] = None):
+        self.given = given
+        self.recorded = []
+        self.changed = torch.zeros((), dtype=torch.long)
+
+    def route(self, experts_Nk: torch.Tensor, shape_BS, token_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.given is None:
+            self.recorded.append(experts_Nk.view(*shape_BS, -1))
+            return experts_Nk
+        given_Nk = self.given.reshape(experts_Nk.shape).to(experts_Nk.device)
+        use_N = (given_Nk >= 0).all(dim=-1)
+        differs_N = (given_Nk.sort(dim=-1).values != experts_Nk.sort(dim=-1).values).any(dim=-1) & use_N
+        if token_mask is not None:
+            differs_N &= token_mask.reshape(-1).bool()
+        self.changed = self.changed.to(experts_Nk.device) + differs_N.sum()
+        return torch.where(use_N[:, None], given_Nk, experts_Nk)
+
+
+def moe_layers(model: nn.Module) -> list:
+    """The MoE blocks of `model` (a pipeline stage: its own), in layer order."""
+    return [layer.mlp for layer in model.layers.values() if layer.is_moe]
+
+
+@contextlib.contextmanager
+def record_routes(model: nn.Module):
+    """Yields one Routes per MoE layer of `model`, recording the experts of every forward inside the block."""
+    tapes = [Routes() for _ in moe_layers(model)]
+    with _routes_set(model, tapes):
+        yield tapes
+
+
+@contextlib.contextmanager
+def replay_routes(model: nn.Module, given_LBSk: torch.Tensor):
+    """Forwards (and backwards) inside the block route each token to the experts `given_LBSk` [MoE layers, B, S, k]
+    names; yields the Routes, whose `changed` counts the routes that would otherwise have changed."""
+    tapes = [Routes(given) for given in given_LBSk]
+    with _routes_set(model, tapes):
+        yield tapes
+
+
+@contextlib.contextmanager
+def _routes_set(model: nn.Module, tapes: list):
+    layers = moe_layers(model)
+    for layer, tape in zip(layers, tapes):
+        layer.routes = tape
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.routes = None
 
 
 def take_expert_load(model: nn.Module) -> dict:
