@@ -54,7 +54,7 @@ class QuantConfig:
 class TaskConfig:
     """What the run does: conf/task/<name>.yaml names the callable `_target_(cfg, rt)` that runs it."""
 
-    name: str = "pretrain"  # pretrain | sft | dpo | grpo | generate | chat | serve | evaluate | preprocess | convert | plan | dryrun | doctor
+    name: str = "pretrain"  # pretrain | sft | dpo | grpo | distill | generate | chat | serve | evaluate | preprocess | convert | plan | dryrun | doctor
     _target_: str = "speedllm.tasks.pretrain.run"
     # planning or converting between machines: one process, no devices (the world size is not launched)
     in_process: bool = False
@@ -316,6 +316,16 @@ class RLConfig:
     router_replay: Optional[bool] = None  # MoE: train with the rollout's experts; None: on for MoE models
     rewards: List[Any] = field(default_factory=list)  # [{_target_: module.fn, weight: 1.0}, ...], TRL's signature
     num_samples: int = 2  # completions printed (with their rewards) every train.log_every
+class DistillConfig:
+    """task=distill (speedllm.tasks.distill): the frozen teacher and the divergence the student learns from."""
+
+    teacher: Optional[str] = None  # a Hugging Face model directory or a checkpoint (dir) of one of our runs
+    loss: str = "forward_kl"  # forward_kl | reverse_kl | jsd (GKD's generalized JSD with beta)
+    beta: float = 0.5  # jsd: 0 = forward KL, 1 = reverse KL
+    temperature: float = 1.0  # both distributions are softmax(logits / temperature)
+    ce_weight: float = 0.0  # loss = (1 - ce_weight) divergence + ce_weight cross-entropy on the labels
+    top_k: Optional[int] = None  # keep the teacher's top_k tokens, renormalized; None: the whole distribution
+    on_policy: float = 0.0  # fraction of steps on the student's own samples (GKD's lambda), reverse KL
 
 
 @dataclass
@@ -355,6 +365,7 @@ class RunConfig:
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     seed: int = 1234
     run_dir: str = "${hydra:runtime.output_dir}"
 

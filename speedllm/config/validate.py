@@ -29,6 +29,7 @@ from speedllm.parallel.rules import (
 )
 from speedllm.paths import CONF
 from speedllm.quant import FLOAT8_RECIPES, QUANT_NAMES, TRAINING
+from speedllm.train.distill_loss import LOSSES
 from speedllm.train.muon import ADJUST_LR_FNS, NS_DTYPES
 from speedllm.train.schedule import SCHEDULES
 
@@ -55,6 +56,7 @@ CHOICES = {
     "evaluate.split": ("train", "valid", "test"),
     "rl.loss_agg": ("seq_mean", "token_mean", "constant"),
     "rl.importance": ("token", "sequence"),
+    "distill.loss": LOSSES,
 }
 LORA_TARGETS = (*PROJECTIONS, "experts")
 
@@ -115,6 +117,11 @@ VALUE_RULES = {
     "plan.show_rejected": _at_least(0),
     "plan.compute_efficiency": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "plan.memory_margin": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "distill.beta": (_fraction, "in [0, 1]"),
+    "distill.temperature": _above(0),
+    "distill.ce_weight": (_fraction, "in [0, 1]"),
+    "distill.on_policy": (_fraction, "in [0, 1]"),
+    "distill.top_k": _at_least(1),  # null: the teacher's whole distribution
 }
 
 
@@ -216,7 +223,7 @@ def check_values(cfg: DictConfig) -> None:
     if lc.node_rank >= lc.nnodes:
         raise UserError(f"launcher.node_rank={lc.node_rank} must be below launcher.nnodes={lc.nnodes} "
                         f"(nodes count from 0)")
-    if cfg.task.name in ("pretrain", "sft", "evaluate"):  # the tasks that split their data
+    if cfg.task.name in ("pretrain", "sft", "distill", "evaluate"):  # the tasks that split their data
         from speedllm.data.datasets import parse_split
 
         parse_split(cfg.data.split)
@@ -234,7 +241,7 @@ def check_outputs(cfg: DictConfig) -> None:
         if path is not None and str(path).endswith(("/", os.sep)):
             raise UserError(f"{key}={path} ends in '/', a folder; {key} names a file, e.g. {key}={path}"
                             f"{'corpus' if key == 'data.output_prefix' else 'out.jsonl'}")
-    if task in ("pretrain", "sft", "dpo", "grpo"):  # every training run saves (at the end, or when stopped early)
+    if task in ("pretrain", "sft", "dpo", "grpo", "distill"):  # every training run saves (at the end, or when stopped early)
         check_writable("checkpoint.dir", ck.dir, directory=True)
     if task == "preprocess":
         patterns = [d.input] if isinstance(d.input, str) else list(d.input)
@@ -363,7 +370,7 @@ def check_finetune(cfg: DictConfig) -> None:
             raise UserError("task=dpo needs data.input=<json/jsonl of prompt/chosen/rejected pairs>")
         if p.pp > 1:
             raise UserError(f"task=dpo does not run on pipeline stages (parallel.pp={p.pp}); use parallel.pp=1")
-    elif cfg.data.format == "pairs" and task in ("pretrain", "sft"):
+    elif cfg.data.format == "pairs" and task in ("pretrain", "sft", "distill"):
         raise UserError(f"data.format=pairs holds preference pairs for task=dpo, not task={task}; use task=dpo")
     if ft.name == "full":
         if ft.adapter is not None:
@@ -388,6 +395,29 @@ def check_finetune(cfg: DictConfig) -> None:
         from speedllm.adapters.peft import read_peft_config
 
         read_peft_config(ft.adapter, ft)
+
+
+def check_distill(cfg: DictConfig) -> None:
+    """task=distill: its layout, the settings that have no finite loss, and the teacher (speedllm.train.teacher)."""
+    from speedllm.train.teacher import check_teacher
+
+    d, p = cfg.distill, cfg.parallel
+    if p.pp > 1 or p.cp > 1:
+        raise UserError(f"task=distill runs without pipeline stages or context parallelism (parallel.pp={p.pp}, "
+                        f"parallel.cp={p.cp}); use parallel.pp=1 and parallel.cp=1 (fsdp / tp layouts)")
+    if d.top_k is not None and d.top_k > cfg.model.vocab_size:
+        raise UserError(f"distill.top_k={d.top_k} exceeds the vocabulary ({cfg.model.vocab_size}); use a smaller k, "
+                        "or distill.top_k=null for the whole distribution")
+    reverse = d.loss == "reverse_kl" or d.loss == "jsd" and d.beta == 1
+    if d.top_k is not None and (reverse or d.on_policy > 0):
+        raise UserError(f"distill.top_k={d.top_k} with the reverse KL (distill.loss={d.loss}, beta={d.beta}, on_policy="
+                        f"{d.on_policy}) is infinite where the student puts mass outside the teacher's top k; use "
+                        "distill.top_k=null, or distill.loss=forward_kl|jsd with beta < 1 and on_policy=0")
+    source = check_teacher(cfg)
+    errors = layout_errors(source.model, tp=p.tp, pp=1, vpp=1, ep=p.ep, cp=1, dp=p.dp, schedule=p.pp_schedule,
+                           sequence_parallel=p.sequence_parallel)
+    if errors:
+        raise UserError(f"distill.teacher={d.teacher}: {errors[0]}")
 
 
 def check_qlora(cfg: DictConfig) -> None:
@@ -522,7 +552,7 @@ def check_paths(cfg: DictConfig) -> None:
             raise UserError("task=preprocess needs data.input=<file or glob> and data.output_prefix=<prefix>")
         for item in [d.input] if isinstance(d.input, str) else d.input:
             _must_exist("data.input", item, "give a file, a glob or a list of them")
-    if d.path is not None and task in ("pretrain", "evaluate"):
+    if d.path is not None and task in ("pretrain", "distill", "evaluate"):
         items = [d.path] if isinstance(d.path, str) else list(d.path)
         for prefix in items[1::2] if len(items) > 1 else items:
             for suffix in (".bin", ".idx"):
@@ -596,6 +626,8 @@ def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
     check_finetune(cfg)
     if cfg.task.name == "grpo":
         check_rl(cfg)
+    if cfg.task.name == "distill":
+        check_distill(cfg)
     if cfg.task.name != "plan":
         isa()  # SPEEDLLM_CPU_ISA, where set, names a kernel path this CPU runs
         check_world(cfg, world_size)

@@ -237,7 +237,7 @@ class Qwen3(nn.Module):
         return mask.expand(B, 1, S, T)
 
     def forward(self, tokens, labels=None, position_ids=None, document_ids=None, attention_mask=None, kv_cache=None,
-                attend=None, reduce_moe_stats=None, moe_stats=None):
+                attend=None, reduce_moe_stats=None, moe_stats=None, output_loss=None):
         """Logits [B, S, V]; or with labels (already shifted, IGNORE_INDEX = no loss) the pair (ce_sum, aux_loss).
 
         Args:
@@ -257,6 +257,8 @@ class Qwen3(nn.Module):
                 parallelism), so the load-balancing loss is the whole sequences'.
             moe_stats: [3, E] running routing statistics of the MoE layers of the earlier pipeline stages
                 (speedllm.models.moe.pack_stats); this module's layers add theirs.
+            output_loss: replaces the model's output projection + loss (same arguments) for this call; what it
+                returns is returned in place of ce_sum (task=distill: the divergence from a teacher).
         Returns hidden states instead of logits when `lm_head` is None; for a MoE model the pair (hidden
         states, moe_stats after this module's layers), so the stage holding the head computes the loss of all.
         """
@@ -292,7 +294,7 @@ class Qwen3(nn.Module):
             return (h_BSD, pack_stats(layer_stats, self.cfg.num_experts, h_BSD.device)) if self.has_moe else h_BSD
         if labels is None:
             return self.lm_head(h_BSD)
-        ce_sum = self.output_loss(
+        ce_sum = (output_loss or self.output_loss)(
             h_BSD.reshape(B * S, -1), self.lm_head.weight, labels.reshape(-1), self.loss_chunk_size,
             self.ops.cross_entropy,
         )

@@ -160,14 +160,22 @@ def vocab_parallel_output_loss(hidden_ND, weight_VD, labels_N, chunk_size, cross
     hidden states is a partial sum, which DTensor reduces on the way back. `cross_entropy` is unused: the
     reductions over the vocabulary are the point of this function.
     """
+    hidden, weight, vocab_start, group = vocab_parallel_operands(hidden_ND, weight_VD)
+    chunk_fn = partial(_vocab_parallel_chunk, vocab_start=vocab_start, group=group)
+    return ChunkedLinearCrossEntropy.apply(hidden, weight, labels_N, chunk_size, chunk_fn)
+
+
+def vocab_parallel_operands(hidden_ND, weight_VD: DTensor) -> tuple:
+    """(hidden states, weight rows, first vocabulary row, tensor-parallel group) of this rank for a projection onto
+    its vocabulary rows: the hidden states replicated (from sequence-sharded or replicated), as a local tensor whose
+    gradient is a partial sum, which DTensor reduces on the way back; the weight's local Shard(0) rows."""
     mesh = weight_VD.device_mesh
     if isinstance(hidden_ND, DTensor):
         hidden_ND = hidden_ND.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
     else:
         hidden_ND = DTensor.from_local(hidden_ND, mesh, [Replicate()]).to_local(grad_placements=[Partial()])
     _, offset = compute_local_shape_and_global_offset(weight_VD.shape, mesh, weight_VD.placements)
-    chunk_fn = partial(_vocab_parallel_chunk, vocab_start=offset[0], group=mesh.get_group())
-    return ChunkedLinearCrossEntropy.apply(hidden_ND, weight_VD.to_local(), labels_N, chunk_size, chunk_fn)
+    return hidden_ND, weight_VD.to_local(), offset[0], mesh.get_group()
 
 
 def _shard_grad_like_param(param: DTensor) -> None:
