@@ -316,6 +316,9 @@ class RLConfig:
     router_replay: Optional[bool] = None  # MoE: train with the rollout's experts; None: on for MoE models
     rewards: List[Any] = field(default_factory=list)  # [{_target_: module.fn, weight: 1.0}, ...], TRL's signature
     num_samples: int = 2  # completions printed (with their rewards) every train.log_every
+
+
+@dataclass
 class DistillConfig:
     """task=distill (speedllm.tasks.distill): the frozen teacher and the divergence the student learns from."""
 
