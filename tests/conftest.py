@@ -4,6 +4,10 @@ The config is composed with `speedllm.config.compose_config` (the library's own 
 one group marker, registered in setup.cfg: `unit` (one process, behaviour and exact values), `numerics` (our
 numbers against transformers or a single-process run) or `distributed` (several ranks); `slow` marks the long
 end-to-end runs. `pytest -m "unit and not slow"` is the quick pass.
+
+Under xdist (`pytest -n 2`, `--dist loadgroup` from setup.cfg) the tests that share a module-scoped fixture (one
+multi-rank job, one server, one set of runs) form one group that a single worker runs, so the fixture runs once,
+and the groups and the `slow` and `distributed` tests are handed out first (the longest work starts first).
 """
 
 import shutil
@@ -23,6 +27,21 @@ DEMO_TOKENIZER = ASSETS / "tokenizers" / "demo"
 TINY_MODEL = dict(name="tiny", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                   rope_theta=5000.0)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
+def pytest_collection_modifyitems(items):
+    def first(item):  # slow before the rest, distributed before one-process
+        return item.get_closest_marker("slow") is None, item.get_closest_marker("distributed") is None
+
+    order = {}  # a group starts where its first test would, so it stays in one piece
+    for item in items:
+        defs = item._fixtureinfo.name2fixturedefs.values()
+        if any(d.scope == "module" for fixturedefs in defs for d in fixturedefs):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+            order[item.module] = min(order.get(item.module, first(item)), first(item))
+    items.sort(key=lambda item: order.get(item.module, first(item)) if item.get_closest_marker("xdist_group")
+               else first(item))
 
 
 def _launch_argv(run_dir, *overrides) -> list:
