@@ -1,5 +1,6 @@
 """checkpoint.async_save under FSDP2 on 2 ranks: training is unchanged, and a resume from an async-saved
-checkpoint gives the next-step loss of the synchronously saving run, bit for bit."""
+checkpoint gives the next-step loss of the synchronously saving run, bit for bit. The three runs go one after the
+other on one set of 2 ranks, through the launcher's steps (conftest's launch_ranks)."""
 
 import json
 from pathlib import Path
@@ -19,16 +20,12 @@ def losses(run_dir: Path) -> list:
     return [r["loss"] for r in records if "split" not in r]
 
 
-def test_resume_from_async_checkpoint_matches_sync_run(tmp_path, launch):
-    for name, extra in {"sync": [], "async": ["checkpoint.async_save=true"]}.items():
-        code, out, err = launch(tmp_path / name, *RUN, *extra)
-        assert code == 0, out + err
-    assert "saving in the background" in out
-    assert losses(tmp_path / "async") == losses(tmp_path / "sync")
+def test_resume_from_async_checkpoint_matches_sync_run(tmp_path, launch_ranks):
     checkpoints = tmp_path / "async" / "checkpoints"
+    launch_ranks(2, {tmp_path / "sync": RUN, tmp_path / "async": [*RUN, "checkpoint.async_save=true"],
+                     tmp_path / "resumed": [*RUN, f"checkpoint.load={checkpoints / 'step_00000002'}"]})
+    assert "saving in the background" in (tmp_path / "async" / "launch.log").read_text()
+    assert losses(tmp_path / "async") == losses(tmp_path / "sync")
     assert (checkpoints / "latest").read_text().strip() == "step_00000003"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_00000002", "step_00000003"]
-
-    code, out, err = launch(tmp_path / "resumed", *RUN, f"checkpoint.load={checkpoints / 'step_00000002'}")
-    assert code == 0, out + err
     assert losses(tmp_path / "resumed")[-1] == losses(tmp_path / "sync")[2]

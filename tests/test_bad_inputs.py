@@ -824,14 +824,13 @@ def test_unexpected_error_is_one_line_with_the_traceback_in_launch_log(tmp_path,
 
 # ------------------------------------------------------------------------------------- end to end
 
-def _launch_py(tmp, *overrides, stdin=None):
-    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), f"hydra.run.dir={tmp / 'run'}", *overrides],
-                          capture_output=True, text=True, timeout=300, cwd=tmp, input=stdin)
+def _launch_py(launch_py, tmp, *overrides):
+    proc = launch_py([f"hydra.run.dir={tmp / 'run'}", *overrides], tmp)
     return proc.returncode, proc.stdout, proc.stderr
 
 
 @pytest.mark.slow
-def test_launch_py_bad_inputs_end_to_end(ckpt, tmp_path):
+def test_launch_py_bad_inputs_end_to_end(ckpt, tmp_path, launch_py):
     """Through launch.py: exit 2, one line, no traceback, no run directory; a planted payload never runs; an
     unresolvable rendezvous host fails at once."""
     marker = tmp_path / "pwned"
@@ -843,14 +842,14 @@ def test_launch_py_bad_inputs_end_to_end(ckpt, tmp_path):
           "launcher.rdzv_endpoint=no-such-host.invalid:29500"], "launcher.rdzv_endpoint"),
     ]
     for overrides, names in cases:
-        status, out, err = _launch_py(tmp_path, *overrides)
+        status, out, err = _launch_py(launch_py, tmp_path, *overrides)
         assert_one_line_failure(status, out, err, names)
         assert not (tmp_path / "run").exists()
     assert not marker.exists()
 
 
 @pytest.mark.slow
-def test_launch_py_command_line_mistakes(tmp_path):
+def test_launch_py_command_line_mistakes(tmp_path, launch_py):
     """What Hydra refuses before our code runs: one line naming the override and the fix, exit 2."""
     run_file = _write(tmp_path / "a-file", "x")
     cases = [
@@ -864,7 +863,7 @@ def test_launch_py_command_line_mistakes(tmp_path):
         ([f"hydra.run.dir={run_file}"], f"hydra.run.dir: cannot create the run directory {run_file}"),
     ]
     for overrides, names in cases:
-        status, out, err = _launch_py(tmp_path, *overrides)
+        status, out, err = _launch_py(launch_py, tmp_path, *overrides)
         assert_one_line_failure(status, out, err, names)
         assert len(err.strip().splitlines()) == 1, err
     assert run_file.read_text() == "x" and not (tmp_path / "run").exists()

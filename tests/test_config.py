@@ -207,10 +207,9 @@ def test_doctor_spawns_eight_gloo_ranks_for_tp8(tmp_path, launch):
     assert not tmp_path.exists()  # a doctor run keeps nothing: its run directory is gone
 
 
-def test_multirun_two_points_each_two_ranks_plus_a_failing_point(tmp_path):
+def test_multirun_two_points_each_two_ranks_plus_a_failing_point(tmp_path, launch_py):
     sweep = tmp_path / "sweep"
-    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "-m", "task=doctor", "parallel=dp2,tp2,tp8",
-                           f"hydra.sweep.dir={sweep}"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = launch_py(["-m", "task=doctor", "parallel=dp2,tp2,tp8", f"hydra.sweep.dir={sweep}"], tmp_path)
     # tp8 over qwen3_tiny's 4 heads fails validation; the sweep goes on and reports it at the end.
     assert proc.returncode == 1
     assert proc.stdout.count("all-reduce ok (sum 3, expected 3)") == 2

@@ -111,7 +111,7 @@ def test_docs_name_only_pages_that_exist():
 
 
 @pytest.fixture(scope="session")
-def artifacts(tmp_path_factory, save_tiny_hf):
+def artifacts(tmp_path_factory, save_tiny_hf, launch_py):
     """The files the placeholders name, made once per session (shared by the xdist workers through a lock)."""
     root = tmp_path_factory.getbasetemp()
     base = (root.parent if "PYTEST_XDIST_WORKER" in os.environ else root) / "docs_commands"
@@ -119,19 +119,17 @@ def artifacts(tmp_path_factory, save_tiny_hf):
     with open(base / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (base / "done").exists():
-            _make_artifacts(base, save_tiny_hf)
+            _make_artifacts(base, save_tiny_hf, launch_py)
             (base / "done").touch()
     return base
 
 
-def _launch(cwd, *overrides, timeout=TIMEOUT):
-    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), *overrides], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-
-
-def _make_artifacts(base: Path, save_tiny_hf) -> None:
+def _make_artifacts(base: Path, save_tiny_hf, launch_py) -> None:
     from speedllm.data.tokenizer import load_tokenizer
+
+    def _launch(cwd, *overrides):
+        proc = launch_py(overrides, cwd, timeout=TIMEOUT)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
     for entry in base.iterdir():  # what a worker that failed here left
         if entry.name != ".lock":
@@ -270,7 +268,7 @@ SLOW = re.compile(r"benchmarks|task=serve|evaluate\.tasks|\s-m\s|^torchrun|paral
 
 @pytest.mark.parametrize("page, number, command", [
     pytest.param(*c, id=c[2][:110], marks=[pytest.mark.slow] if SLOW.search(c[2]) else []) for c in COMMANDS])
-def test_doc_command_runs(page, number, command, artifacts, tmp_path):
+def test_doc_command_runs(page, number, command, artifacts, tmp_path, launch_py):
     where = f"{page}:{number}: {command}"
     expected = int(m.group(1)) if (m := re.search(r"#\s*exit (\d+)", command)) else 0
     words = shlex.split(_substitute(command, artifacts, tmp_path), comments=True)
@@ -301,8 +299,11 @@ def test_doc_command_runs(page, number, command, artifacts, tmp_path):
     if mode == "serve":
         _check(where, *_run_serve(argv, env, cwd), expected)
         return
-    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT,
-                          input="/exit\n" if mode == "chat" else "")
+    stdin = "/exit\n" if mode == "chat" else ""
+    if argv[:2] == [sys.executable, str(ROOT / "launch.py")]:  # python launch.py / speedllm (as a user types it)
+        proc = launch_py(argv[2:], cwd, env, input=stdin, timeout=TIMEOUT)
+    else:
+        proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT, input=stdin)
     _check(where, proc.returncode, proc.stdout, proc.stderr, expected)
 
 

@@ -1,4 +1,5 @@
-"""finetune=lora under FSDP2, TP2 and PP2 trains like the single process (CPU/gloo, through the launcher).
+"""finetune=lora under FSDP2, TP2 and PP2 trains like the single process (CPU/gloo, through the launcher's steps:
+test_parallel.run_all, the three layouts on one set of 2 ranks).
 
 Same base (per-shard initialization), same adapter start (seeded per name), 5 steps: losses within 1e-5
 (relative) of the single process, adapters after step 5 within 1e-4.
@@ -14,12 +15,12 @@ LAYOUTS = {"fsdp2": ["parallel=fsdp2"], "tp2": ["parallel=tp2"], "pp2": ["parall
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, launch_argv):
+def runs(tmp_path_factory, launch_here, launch_ranks):
     root = tmp_path_factory.mktemp("lora_parallel")
     jobs = {root / "single": [*DENSE, *LORA, "parallel=single", "train.stop_after=5"]}
     for name, parallel in LAYOUTS.items():
         jobs[root / name] = [*DENSE, *LORA, *parallel, "train.stop_after=5"]
-    run_all(jobs, launch_argv)
+    run_all(jobs, launch_here, launch_ranks)
     return root
 
 

@@ -1,8 +1,9 @@
 """An HF directory loaded straight into parallel layouts, and exported from a parallel run, through the launcher.
 
 First-step loss of `task=pretrain model=hf checkpoint.load_hf=<dir>` equals transformers' loss on the same
-batches (single process), and FSDP2 / TP2 / PP2 runs equal the single process. A TP2 x PP2 run's checkpoint,
-converted to HF, gives in transformers the logits of our model loaded from that checkpoint.
+batches (single process), and FSDP2 / TP2 / PP2 runs equal the single process (the three on one set of 2 ranks,
+through the launcher's steps: conftest's launch_ranks). A TP2 x PP2 run through launch.py (4 ranks under torch's
+elastic agent), converted to HF, gives in transformers the logits of our model loaded from that checkpoint.
 """
 
 import json
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.distributed
 RUN = ["task=pretrain", "model=hf", "hardware=cpu", "train.steps=1", "train.seq_len=32", "train.micro_batch_size=2",
        "train.global_batch_size=4", "train.log_every=1", "train.eval_every=0", "logging.progress_bar=false",
        "logging.tensorboard=false", "generate.num_samples=0"]
+LAYOUTS = ["fsdp2", "tp2", "pp2"]
 
 
 def first_loss(run_dir: Path) -> float:
@@ -34,11 +36,18 @@ def hf_dir(tmp_path_factory, save_tiny_hf):
 
 
 @pytest.fixture(scope="module")
-def single(hf_dir, tmp_path_factory, launch):
+def single(hf_dir, tmp_path_factory, launch_here):
     run_dir = tmp_path_factory.mktemp("single")
-    code, out, err = launch(run_dir, *RUN, f"checkpoint.load_hf={hf_dir}", "checkpoint.save_final=false")
-    assert code == 0, out[-3000:] + err[-3000:]
+    launch_here(run_dir, *RUN, f"checkpoint.load_hf={hf_dir}", "checkpoint.save_final=false")
     return run_dir
+
+
+@pytest.fixture(scope="module")
+def layouts(hf_dir, tmp_path_factory, launch_ranks):
+    root = tmp_path_factory.mktemp("layouts")
+    launch_ranks(2, {root / parallel: [*RUN, f"parallel={parallel}", f"checkpoint.load_hf={hf_dir}",
+                                       "checkpoint.save_final=false"] for parallel in LAYOUTS})
+    return root
 
 
 def test_single_process_first_loss_is_transformers_loss(hf_dir, single):
@@ -60,12 +69,9 @@ def test_single_process_first_loss_is_transformers_loss(hf_dir, single):
     assert abs(first_loss(single) - ce_sum / count) <= 2e-5
 
 
-@pytest.mark.parametrize("parallel", ["fsdp2", "tp2", "pp2"])
-def test_parallel_layouts_load_hf_to_the_single_process_loss(parallel, hf_dir, single, tmp_path, launch):
-    code, out, err = launch(tmp_path, *RUN, f"parallel={parallel}", f"checkpoint.load_hf={hf_dir}",
-                            "checkpoint.save_final=false")
-    assert code == 0, out[-3000:] + err[-3000:]
-    assert abs(first_loss(tmp_path) - first_loss(single)) <= 2e-5
+@pytest.mark.parametrize("parallel", LAYOUTS)
+def test_parallel_layouts_load_hf_to_the_single_process_loss(parallel, single, layouts):
+    assert abs(first_loss(layouts / parallel) - first_loss(single)) <= 2e-5
 
 
 def test_tp2_pp2_checkpoint_exports_to_transformers(hf_dir, single, tmp_path, launch):

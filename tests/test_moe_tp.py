@@ -1,4 +1,5 @@
-"""MoE under tensor + sequence parallelism trains like the single process, through the real launcher on CPU/gloo.
+"""MoE under tensor + sequence parallelism trains like the single process, through the launcher's steps on CPU/gloo
+(test_parallel.run_all: the 2-rank and the 4-rank layouts each on one set of ranks).
 
 qwen3_moe_tiny with one dense MLP layer (mlp_only_layers) and one MoE layer runs 5 steps under `tp2` (2 ranks:
 experts FSDP-sharded over the tp pair), `tp2_ep2` (4 ranks, dp2 x tp2: experts split over each tp pair,
@@ -32,11 +33,15 @@ SGD = ["optim=sgd"]  # test_parallel.RUN sets a constant schedule
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, launch_argv):
+def runs(tmp_path_factory, launch_here, launch_ranks):
+    """The single process (6 steps), the layouts, then the tp2_ep2 checkpoint resumed in one process (step 6)."""
     root = tmp_path_factory.mktemp("moe_tp")
     jobs = {root / "single": [*MOE, *SGD, "parallel=single", "checkpoint.every=5", *SAMPLES]}
     jobs.update({root / name: [*MOE, *SGD, *parallel] for name, parallel in LAYOUTS.items()})
-    run_all(jobs, launch_argv)
+    run_all(jobs, launch_here, launch_ranks)
+    checkpoint = root / "tp2_ep2" / "checkpoints" / "step_00000005"
+    run_all({root / "resumed": [*MOE, *SGD, "parallel=single", f"checkpoint.load={checkpoint}"]}, launch_here,
+            launch_ranks)
     return root
 
 
@@ -45,10 +50,8 @@ def test_moe_layout_matches_single_process(layout, runs):
     assert_matches(runs / layout, runs / "single", 6 if layout == "tp2" else 5)
 
 
-def test_tp2_ep2_checkpoint_resumes_in_a_single_process(runs, tmp_path, launch_argv):
-    checkpoint = runs / "tp2_ep2" / "checkpoints" / "step_00000005"
-    run_all({tmp_path: [*MOE, *SGD, "parallel=single", f"checkpoint.load={checkpoint}"]}, launch_argv)
-    (resumed,) = losses(tmp_path)  # step 6 only
+def test_tp2_ep2_checkpoint_resumes_in_a_single_process(runs):
+    (resumed,) = losses(runs / "resumed")  # step 6 only
     expected = losses(runs / "single")[5]
     assert abs(resumed - expected) <= 1e-5 * expected
 

@@ -3,7 +3,6 @@ against the single process, bit-exact resume, and the config's one-line errors."
 
 import copy
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -153,16 +152,13 @@ def test_resume_is_bit_exact_and_refuses_another_optimizer(tmp_path, launch):
 
 
 @pytest.mark.distributed
-def test_fsdp2_and_tp2_follow_the_single_process(tmp_path, launch_argv):
+def test_fsdp2_and_tp2_follow_the_single_process(tmp_path, launch_here, launch_ranks):
     """`optim=muon parallel=fsdp2` and `parallel=tp2` (2 gloo ranks each, every matrix's update gathered for
-    Newton-Schulz) follow the single-process run within 1e-4 relative over 5 steps."""
+    Newton-Schulz) follow the single-process run within 1e-4 relative over 5 steps (the launcher's steps: the single
+    run in this process, the two layouts in turn on one set of 2 ranks)."""
     common = [*TINY, "train.global_batch_size=8", "train.steps=5"]
-    procs = {name: subprocess.Popen(launch_argv(tmp_path / name, *common, f"parallel={name}"), cwd=tmp_path,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for name in ("single", "fsdp2", "tp2")}
-    for name, proc in procs.items():
-        out, _ = proc.communicate(timeout=600)
-        assert proc.returncode == 0, f"{name}:\n{out[-4000:]}"
+    launch_here(tmp_path / "single", *common, "parallel=single")
+    launch_ranks(2, {tmp_path / name: [*common, f"parallel={name}"] for name in ("fsdp2", "tp2")})
     single = [r["loss"] for r in metrics(tmp_path / "single")]
     assert len(single) == 5 and single[-1] < single[0]
     for name in ("fsdp2", "tp2"):

@@ -1,6 +1,7 @@
 """The levers for jobs that do not fit: parallel.offload, train.activation_offload and the DualPipeV schedule.
 
-Through the real launcher on CPU/gloo (test_parallel's models and run settings): 5 steps under fsdp2 with
+Through the launcher's steps on CPU/gloo (test_parallel's models, run settings and run_all: the 2-rank runs on one
+set of ranks): 5 steps under fsdp2 with
 parallel.offload=params, with parallel.offload=optimizer and with train.activation_offload=true (also under full
 recompute), and under pp2 with DualPipeV (dense, and the MoE model of test_moe_parallel whose load-balancing
 statistics travel between stages), each equal the same layout without the lever (the single process for
@@ -35,7 +36,7 @@ RESUMED = ("offload_params", "offload_optimizer", "activation_offload", "dualpip
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, launch_argv):
+def runs(tmp_path_factory, launch_here, launch_ranks):
     """References (6 steps, checkpoint at 5), the levers (6 steps, checkpoint at 5), then each lever resumed."""
     root = tmp_path_factory.mktemp("levers")
     jobs = {}
@@ -43,13 +44,13 @@ def runs(tmp_path_factory, launch_argv):
         ref = root / ("ref_" + "_".join(o.split("=")[-1] for o in [*model[:1], *reference]))
         jobs[ref] = [*model, *reference, "checkpoint.every=5"]
         jobs[root / name] = [*model, *reference, *lever, "checkpoint.every=5"]
-    run_all(jobs, launch_argv)
+    run_all(jobs, launch_here, launch_ranks)
     resumed = {}
     for name in RESUMED:
         model, reference, lever = LEVERS[name]
         checkpoint = root / name / "checkpoints" / "step_00000005"
         resumed[root / f"{name}_resumed"] = [*model, *reference, *lever, f"checkpoint.load={checkpoint}"]
-    run_all(resumed, launch_argv)
+    run_all(resumed, launch_here, launch_ranks)
     return root
 
 

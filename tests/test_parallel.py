@@ -1,15 +1,15 @@
-"""Every parallel layout trains like the single process, through the real launcher on CPU/gloo.
+"""Every parallel layout trains like the single process, through the launcher's steps on CPU/gloo.
 
 Each layout runs 5 steps of a global batch of 8 sequences (the single-process reference: the same 8 as 4
 micro-batches of 2) from the same initial weights (per-shard init, see speedllm/parallel/weights.py).
 Losses must agree within 1e-5 (relative), parameters after step 5 within 1e-4. The TP2 x PP2 checkpoint
 then resumes under FSDP over 4 ranks and under one process with the single run's step-6 loss.
-Layout runs start a few at a time (they mostly wait on each other's collectives, not on the CPU).
+The layouts of one world size run one after the other on one spawned set of ranks (conftest's launch_ranks: the
+launcher's resolve, validate, freeze and run on each rank), the one-process runs in this process; launch.py's own
+process start-up (Hydra, torch's elastic agent) is tested by test_hf_parallel.py, test_faults.py and others.
 """
 
 import json
-import subprocess
-import time
 import warnings
 from pathlib import Path
 
@@ -42,24 +42,24 @@ LAYOUTS = {  # name: (model, parallel overrides)
     "ep2_dp4": (MOE2, ["parallel=ep2", "parallel.dp=4"]),
 }
 REFERENCES = {id(DENSE): "single", id(MOE): "single_moe", id(MOE2): "single_moe2"}  # single-process run dirs
-CONCURRENT = 3
 
 
-def run_all(jobs: dict, launch_argv) -> None:
-    """Run {run_dir: overrides} launches, CONCURRENT at a time; fail with the output of any that fails."""
-    pending, running = list(jobs.items()), []
-    while pending or running:
-        while pending and len(running) < CONCURRENT:
-            run_dir, overrides = pending.pop(0)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            running.append((run_dir, subprocess.Popen(launch_argv(run_dir, *RUN, *overrides), stdout=subprocess.PIPE,
-                                                      stderr=subprocess.STDOUT, text=True, cwd=run_dir)))
-        time.sleep(0.5)
-        for run_dir, proc in list(running):
-            if proc.poll() is not None:
-                running.remove((run_dir, proc))
-                output = proc.stdout.read()
-                assert proc.returncode == 0, f"{run_dir.name}:\n{output[-4000:]}"
+def run_all(jobs: dict, launch_here, launch_ranks) -> None:
+    """Run {run_dir: overrides} launches (after RUN): the one-process runs in this process, then the others on one
+    set of ranks per world size (2, then 4), each set's runs in the order given."""
+    from speedllm.config import compose_config
+    from speedllm.config.resolve import resolve
+
+    by_world = {}
+    for run_dir, overrides in jobs.items():
+        world, _ = resolve(compose_config(*RUN, *overrides, f"run_dir={run_dir}"))
+        by_world.setdefault(world, {})[run_dir] = [*RUN, *overrides]
+    for world, runs in sorted(by_world.items()):
+        for run_dir, overrides in runs.items():
+            if world == 1:
+                launch_here(run_dir, *overrides)
+        if world > 1:
+            launch_ranks(world, runs)
 
 
 def losses(run_dir: Path) -> list:
@@ -98,15 +98,20 @@ def saved_weights(checkpoint: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, launch_argv):
-    """Run directories: single-process references (6 steps), every layout (5 steps, checkpoint at 5)."""
+def runs(tmp_path_factory, launch_here, launch_ranks):
+    """Run directories: single-process references (6 steps), every layout (5 steps, checkpoint at 5), and the
+    TP2 x PP2 checkpoint resumed under FSDP over 4 ranks and under one process (step 6)."""
     root = tmp_path_factory.mktemp("parallel")
     jobs = {root / "single": [*DENSE, "parallel=single", "checkpoint.every=5"],
             root / "single_moe": [*MOE, "parallel=single", "checkpoint.every=5"],
             root / "single_moe2": [*MOE2, "parallel=single", "checkpoint.every=5"]}
     for name, (model, parallel) in LAYOUTS.items():
         jobs[root / name] = [*model, *parallel, "train.stop_after=5"]
-    run_all(jobs, launch_argv)
+    run_all(jobs, launch_here, launch_ranks)
+    checkpoint = root / "tp2_pp2" / "checkpoints" / "step_00000005"
+    run_all({root / "resumed_fsdp4": [*DENSE, "parallel=fsdp4", f"checkpoint.load={checkpoint}"],
+             root / "resumed_single": [*DENSE, "parallel=single", f"checkpoint.load={checkpoint}"]},
+            launch_here, launch_ranks)
     return root
 
 
@@ -115,15 +120,11 @@ def test_layout_matches_single_process(layout, runs):
     assert_matches(runs / layout, runs / REFERENCES[id(LAYOUTS[layout][0])])
 
 
-def test_tp2_pp2_checkpoint_resumes_under_fsdp4_and_single_process(runs, tmp_path, launch_argv):
-    checkpoint = runs / "tp2_pp2" / "checkpoints" / "step_00000005"
-    jobs = {tmp_path / "fsdp4": [*DENSE, "parallel=fsdp4", f"checkpoint.load={checkpoint}"],
-            tmp_path / "single": [*DENSE, "parallel=single", f"checkpoint.load={checkpoint}"]}
-    run_all(jobs, launch_argv)
+@pytest.mark.parametrize("resumed", ["fsdp4", "single"])
+def test_tp2_pp2_checkpoint_resumes_under_fsdp4_and_single_process(resumed, runs):
+    (loss,) = losses(runs / f"resumed_{resumed}")  # step 6 only
     expected = losses(runs / "single")[5]
-    for run_dir in jobs:
-        (resumed,) = losses(run_dir)  # step 6 only
-        assert abs(resumed - expected) <= 1e-5 * expected, run_dir.name
+    assert abs(loss - expected) <= 1e-5 * expected
 
 
 def test_parallelism_never_patches_a_module():

@@ -149,7 +149,7 @@ def measure_training_step(cfg, rt) -> dict:
             "optimizer_bytes": storage_bytes(states), "peak": tracker.peak}
 
 
-def _rank_main(rank: int, world: int, port: int, config: dict, out: str) -> None:
+def _rank_main(rank: int, world: int, port: int, jobs: list) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -157,22 +157,32 @@ def _rank_main(rank: int, world: int, port: int, config: dict, out: str) -> None
 
     from speedllm.runtime import init_runtime
 
-    cfg = OmegaConf.create(config)
-    p = cfg.parallel
-    p.dp = world // (p.tp * p.pp * p.cp)
-    cfg.run_dir = out
-    record = measure_training_step(cfg, init_runtime(cfg))
-    Path(out, f"rank{rank}.json").write_text(json.dumps(record))
+    for config, out in jobs:  # one process group for all: the first init_runtime starts it
+        cfg = OmegaConf.create(config)
+        p = cfg.parallel
+        p.dp = world // (p.tp * p.pp * p.cp)
+        cfg.run_dir = out
+        record = measure_training_step(cfg, init_runtime(cfg))
+        Path(out, f"rank{rank}.json").write_text(json.dumps(record))
+        dist.barrier()
     dist.destroy_process_group()
 
 
-def measure_layout(cfg, world: int, out_dir) -> list:
-    """measure_training_step on `world` spawned CPU ranks (gloo) of the composed config `cfg`."""
+def measure_layouts(cfgs: list, world: int, out_dirs: list) -> list:
+    """measure_training_step for each composed config in turn, on one set of `world` spawned CPU ranks (gloo):
+    a list of per-rank records for each config (written under its out dir)."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    config = OmegaConf.to_container(OmegaConf.merge(cfg, {"run_dir": str(out_dir)}), resolve=True)  # no Hydra there
-    mp.spawn(_rank_main, args=(world, port, config, str(out_dir)), nprocs=world, join=True)
-    return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
+    # plain containers, resolved here: the ranks have no Hydra
+    jobs = [(OmegaConf.to_container(OmegaConf.merge(cfg, {"run_dir": str(out)}), resolve=True), str(out))
+            for cfg, out in zip(cfgs, out_dirs)]
+    mp.spawn(_rank_main, args=(world, port, jobs), nprocs=world, join=True)
+    return [[json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)] for out in out_dirs]
+
+
+def measure_layout(cfg, world: int, out_dir) -> list:
+    """measure_training_step on `world` spawned CPU ranks (gloo) of the composed config `cfg`."""
+    return measure_layouts([cfg], world, [out_dir])[0]
