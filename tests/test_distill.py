@@ -231,4 +231,5 @@ def test_bad_input_is_one_line_before_launch(models, tmp_path, launch):
         assert message in str(err.value) and "\n" not in str(err.value), (overrides, str(err.value))
     code, out, err = launch(tmp_path / "run", "task=distill", "hardware=cpu", f"distill.teacher={bad['empty']}")
     assert code == 2 and not (tmp_path / "run").exists()
-    assert f"distill.teacher={bad['empty']} is not a model: no config.json" in err and len(err.strip().splitlines()) == 1
+    assert f"distill.teacher={bad['empty']} is not a model: no config.json" in err
+    assert len(err.strip().splitlines()) == 1
