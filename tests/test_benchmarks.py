@@ -17,6 +17,7 @@ pytestmark = pytest.mark.unit
 HEADERS = {
     "checkpoint": "stall async / sync (best of each)",
     "cp_memory": "| cp | cp_mode | rank | measured peak MiB |",
+    "distill_memory": "distill / (sft + teacher weights) =",
     "fsdp_memory": "| ranks | measured peak MiB |",
     "generate": "| metric | transformers | speedllm | ratio | same ids |",
     "gpu": "| decode | qwen3_0.6b, float32, batch 8",
@@ -37,8 +38,8 @@ HEADERS = {
     "varlen": "| path | step CPU s (median) | peak tensor MiB |",
 }
 # several processes (spawned ranks, launch.py runs, a server) or a minute and more on a 2-core CPU
-SLOW = {"cp_memory", "fsdp_memory", "gpu", "init", "muon", "peer", "planner", "qat_vs_ptq", "qlora", "quant_memory",
-        "quant_quality", "quant_tp", "serve", "train"}
+SLOW = {"cp_memory", "distill_memory", "fsdp_memory", "gpu", "init", "muon", "peer", "planner", "qat_vs_ptq", "qlora",
+        "quant_memory", "quant_quality", "quant_tp", "serve", "train"}
 # optional dependencies (the `test` extras have them all): without one, its benchmarks are skipped
 NEEDS = {"qat_vs_ptq": "torchao", "qlora": "torchao", "quant": "torchao", "quant_memory": "torchao",
          "quant_quality": "torchao", "serve": "openai"}

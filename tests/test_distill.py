@@ -231,4 +231,27 @@ def test_bad_input_is_one_line_before_launch(models, tmp_path, launch):
         assert message in str(err.value) and "\n" not in str(err.value), (overrides, str(err.value))
     code, out, err = launch(tmp_path / "run", "task=distill", "hardware=cpu", f"distill.teacher={bad['empty']}")
     assert code == 2 and not (tmp_path / "run").exists()
-    assert f"distill.teacher={bad['empty']} is not a model: no config.json" in err and len(err.strip().splitlines()) == 1
+    assert f"distill.teacher={bad['empty']} is not a model: no config.json" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_planner_counts_the_teacher(models):
+    """The planner's rank memory of a task=distill run holds the teacher's weights beside the student's: in one
+    process all of them (as transformers stores them), under FSDP2 on 2 ranks half plus its gathered root unit."""
+    from transformers import AutoModelForCausalLM
+
+    from speedllm.config import compose_config
+    from speedllm.planner.layout import Layout
+    from speedllm.planner.search import Planner, problem_from_config
+
+    teacher = AutoModelForCausalLM.from_pretrained(models[0])
+    weights = sum(p.numel() for p in teacher.parameters())  # the tied embedding once
+    embedding = teacher.get_input_embeddings().weight.numel()
+    norm = teacher.model.norm.weight.numel()
+    plain = Planner(problem_from_config(compose_config("hardware=cpu", "model=qwen3_tiny"), 2))
+    distill = Planner(problem_from_config(compose_config("hardware=cpu", "model=qwen3_tiny", "task=distill",
+                                                         f"distill.teacher={models[0]}"), 2))
+    for layout, expected in ((Layout(dp=1), 4 * weights), (Layout(dp=2), 4 * weights / 2 + 4 * (embedding + norm))):
+        (with_teacher,), (without,) = distill.rank_memories(layout), plain.rank_memories(layout)
+        assert with_teacher.teacher == expected
+        assert with_teacher.total == without.total + expected

@@ -15,7 +15,7 @@ i MLP width, E experts, k experts per token, e bytes of the compute dtype.
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatch
 from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
@@ -295,15 +295,16 @@ class Memory:
     host: float = 0.0
     host_activations: float = 0.0  # of `host`: saved activations at their peak
     offloaded_per_layer: float = 0.0  # activation bytes one layer sends to the host per micro-batch
+    teacher: float = 0.0  # task=distill: the frozen teacher's weights on this rank (teacher_bytes)
 
     @property
     def forward_backward(self) -> float:
         live = max(self.activations, self.grad_accum + self.activations_with_grads)
-        return self.params + self.optimizer + self.buffers + live
+        return self.params + self.optimizer + self.buffers + live + self.teacher
 
     @property
     def update(self) -> float:
-        return self.params + self.grads + self.optimizer + self.update_temporaries
+        return self.params + self.grads + self.optimizer + self.update_temporaries + self.teacher
 
     @property
     def total(self) -> float:
@@ -519,6 +520,17 @@ def rank_memory(m, layout: Layout, sp: StageParams, pp_rank: int, seq_len: int,
         n = layout.micro_batch * seq_len / layout.cp
         mem.buffers += 4 * n * m.hidden_size * e / (layout.tp if layout.sequence_parallel else 1)
     return mem
+
+
+def teacher_bytes(teacher_cfg, layout: Layout, dtype: str) -> float:
+    """task=distill: a rank's bytes of the frozen teacher (speedllm.train.teacher), built like the student under the
+    layout's TP and FSDP2 (no pipeline stages): its fp32 weights, sharded, plus under FSDP2 its root unit
+    (embedding, final norm, output projection) gathered in `dtype` while the student's loss reads it. No gradients,
+    no optimizer states, and its activations are those of one forward without saved tensors (not counted)."""
+    sp = rank_params(model_tensors(teacher_cfg), replace(layout, pp=1, vpp=1), [teacher_cfg.num_hidden_layers], 0)
+    dense_fsdp, _ = fsdp_degrees(layout)
+    gathered = sp.root_gathered * DTYPES[dtype].itemsize if layout.fsdp and dense_fsdp > 1 else 0.0
+    return sp.sharded * MASTER_BYTES + gathered
 
 
 def inference_weight_bytes(model_cfg, quant, dtype: str, tp: int = 1) -> Tuple[float, float]:

@@ -27,6 +27,7 @@ from speedllm.planner.memory import (
     model_tensors,
     rank_memory,
     rank_params,
+    teacher_bytes,
     tp_facts,
 )
 from speedllm.planner.timing import StepTime, step_time
@@ -55,6 +56,7 @@ class Problem:
     memory_margin: float = 0.1
     optim: object = None  # OptimConfig fields; None: AdamW
     allow_offload: bool = True  # plan.allow_offload: offload to host memory when nothing fits without
+    teacher: object = None  # task=distill: the frozen teacher's ModelConfig fields, held beside the model
 
     @property
     def capacity(self) -> float:
@@ -116,8 +118,12 @@ class Planner:
         """Memory of every pipeline rank (the first rank of each of its other axes) under `layout`."""
         p = self.p
         stages = self.rank_params(layout, self.split(layout, explicit_split))
-        return [rank_memory(p.model, layout, sp, r, p.seq_len, p.global_batch, p.hardware.dtype, p.loss_chunk,
-                            self.tp_facts, p.hardware.ops, p.hardware.device) for r, sp in enumerate(stages)]
+        memories = [rank_memory(p.model, layout, sp, r, p.seq_len, p.global_batch, p.hardware.dtype, p.loss_chunk,
+                                self.tp_facts, p.hardware.ops, p.hardware.device) for r, sp in enumerate(stages)]
+        if p.teacher is not None:
+            for memory in memories:
+                memory.teacher = teacher_bytes(p.teacher, layout, p.hardware.dtype)
+        return memories
 
     def estimate(self, layout: Layout, explicit_split=None) -> Estimate:
         """Memory of the busiest rank and step time of `layout` (assumed structurally valid)."""
@@ -256,4 +262,13 @@ def problem_from_config(cfg, world: int) -> Problem:
     return Problem(model=cfg.model, hardware=cfg.hardware, world=world, seq_len=cfg.train.seq_len,
                    global_batch=cfg.train.global_batch_size, loss_chunk=cfg.train.loss_chunk_size,
                    efficiency=cfg.plan.compute_efficiency, memory_margin=cfg.plan.memory_margin, optim=cfg.optim,
-                   allow_offload=cfg.plan.allow_offload)
+                   allow_offload=cfg.plan.allow_offload, teacher=distill_teacher(cfg))
+
+
+def distill_teacher(cfg):
+    """task=distill's teacher model (speedllm.train.teacher), None for every other task."""
+    if cfg.task.name != "distill" or cfg.distill.teacher is None:
+        return None
+    from speedllm.train.teacher import teacher_source
+
+    return teacher_source(str(cfg.distill.teacher)).model

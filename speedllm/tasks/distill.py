@@ -7,6 +7,13 @@ The teacher (speedllm.train.teacher) is built under the student's layout and run
 hidden states and output weight go into the student's output loss, which makes both models' logits one chunk of
 positions at a time. Like the training loop (speedllm.train.step), each rank divides its sum by the step's global
 count of labelled positions and the data-parallel gradient reduction sums, so the step is exact whatever the split.
+
+On-policy (distill.on_policy = λ, GKD's fraction of batches; steps are on-policy at the evenly spaced share λ of
+them): the student samples a completion of each row's prompt with the shared rollout (speedllm.generation.rollout,
+the training model itself at temperature 1), the teacher scores every sampled token, and the loss is the per-token
+reverse KL at distill.temperature on those samples. A row's prompt is its tokens up to its first label (SFT: the
+prompt turns), or the first half of a row labelled from its start (pretraining data); completions run to
+train.seq_len / 2 tokens. Every eval also samples the held-out prompts so: `distill/sample_reverse_kl`.
 Runs without pipeline stages and context parallelism.
 """
 
@@ -14,12 +21,17 @@ import math
 import time
 import warnings
 from functools import partial
-from typing import List
+from typing import Any, List, NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from speedllm.checkpoint.dcp import Checkpointer
+from speedllm.generation.rollout import rollout
+from speedllm.generation.sampling import Sampling
+from speedllm.hardware import DTYPES
+from speedllm.ops import IGNORE_INDEX
 from speedllm.parallel import ParallelModel, clip_grad_norm
 from speedllm.parallel.offload import optimizer_step
 from speedllm.runtime import Runtime, seed_everything
@@ -34,6 +46,67 @@ from speedllm.train.teacher import build_teacher, head_weight, teacher_hidden
 def objective_of(cfg) -> Objective:
     d = cfg.distill
     return Objective(d.loss, d.beta, d.temperature, d.top_k or 0, d.ce_weight)
+
+
+def on_policy_objective(cfg) -> Objective:
+    """The loss on the student's own samples: the per-token reverse KL (their labels are no data to learn)."""
+    return Objective("reverse_kl", temperature=cfg.distill.temperature)
+
+
+class Sampler(NamedTuple):
+    """What the student's rollouts need beyond the model: the tokenizer's ids and this rank's place."""
+
+    stop_ids: List[int]
+    pad_id: int
+    dtype: torch.dtype
+    tp: int
+    group: Any  # the ranks whose forwards run together (the whole job), None in one process
+    seed: int
+    dp_rank: int
+
+
+def sampler_of(cfg, rt: Runtime) -> Sampler:
+    from speedllm.data.tokenizer import pad_id_of, stop_ids_of, tokenizer_for
+
+    tokenizer = tokenizer_for(cfg)
+    group = dist.group.WORLD if rt.world_size > 1 else None
+    return Sampler(stop_ids_of(tokenizer), pad_id_of(tokenizer), DTYPES[cfg.hardware.dtype], rt.dims.tp, group,
+                   cfg.seed, rt.dims.coords("dp")[0])
+
+
+def is_on_policy(step: int, fraction: float) -> bool:
+    """Whether step (counted from 1) samples: the steps where floor(step * fraction) rises, fraction of them."""
+    return math.floor(step * fraction) > math.floor((step - 1) * fraction)
+
+
+def prompts_of(batch: dict) -> List[List[int]]:
+    """Each row's prompt: its tokens up to its first label, or its first half when it is labelled from the start."""
+    prompts = []
+    for tokens, labels in zip(batch["tokens"].tolist(), batch["labels"].tolist()):
+        first = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), 0)
+        prompts.append(tokens[:first + 1] if first > 0 else tokens[:len(tokens) // 2])
+    return prompts
+
+
+@torch.no_grad()
+def sampled_batch(model, batch: dict, max_new_tokens: int, sampler: Sampler, key: int) -> dict:
+    """The student's completions of the batch's prompts as a batch whose labels are the sampled tokens: tokens,
+    labels, position_ids, attention_mask; right-padded to a multiple of the tensor-parallel degree (sequence
+    parallel splits the sequence). `key` picks the sampling generators (one per prompt)."""
+    device = batch["tokens"].device
+    prompts = prompts_of(batch)
+    generators = [torch.Generator(device).manual_seed(hash((sampler.seed, key, sampler.dp_rank, i)) % 2**63)
+                  for i in range(len(prompts))]
+    ro = rollout(model, prompts, 1, max_new_tokens, Sampling(temperature=1.0), generators, sampler.stop_ids,
+                 sampler.pad_id, sampler.dtype, sampler.tp, sampler.group)
+    P, C = ro.prompt_width, ro.completion_mask.shape[1]
+    labels = torch.full_like(ro.tokens, IGNORE_INDEX)
+    labels[:, P - 1:P + C - 1] = torch.where(ro.completion_mask.bool(), ro.tokens[:, P:], IGNORE_INDEX)
+    pad = -ro.tokens.shape[1] % sampler.tp
+    last = ro.position_ids[:, -1:]
+    return {"tokens": F.pad(ro.tokens, (0, pad), value=sampler.pad_id), "labels": F.pad(labels, (0, pad),
+            value=IGNORE_INDEX), "attention_mask": F.pad(ro.attention_mask, (0, pad), value=0),
+            "position_ids": torch.cat([ro.position_ids, last + torch.arange(1, pad + 1, device=device)], dim=1)}
 
 
 def distill_forward(model, teacher, batch: dict, objective: Objective, stats: torch.Tensor, autocast) -> tuple:
@@ -88,19 +161,27 @@ def distill_step(pm: ParallelModel, teacher, optimizer, scheduler, micro_batches
 
 @torch.no_grad()
 def evaluate(pm: ParallelModel, teacher, objective: Objective, cfg, dp_rank: int, dp_size: int, group, device,
-             autocast) -> dict:
-    """distill/* over the first train.eval_steps micro-batches of the valid split."""
+             autocast, sampler: Sampler) -> dict:
+    """distill/* over the first train.eval_steps micro-batches of the valid split, and the reverse KL on the
+    student's samples of their prompts (distill/sample_reverse_kl)."""
     from speedllm.data.loader import build_loader
 
     t = cfg.train
     loader = build_loader(cfg, "valid", dp_rank, dp_size, t.micro_batch_size, t.seq_len, cfg.seed)
     totals = torch.zeros(1 + len(STATS), device=device)
+    sampled = torch.zeros(1 + len(STATS), device=device)
     pm.eval()
-    for _, batch in zip(range(t.eval_steps), loader):
-        loss_sum, _ = distill_forward(pm.module, teacher, to_device(batch, device), objective, totals[1:], autocast)
+    for i, batch in zip(range(t.eval_steps), loader):
+        batch = to_device(batch, device)
+        loss_sum, _ = distill_forward(pm.module, teacher, batch, objective, totals[1:], autocast)
         totals[0] += loss_sum
+        with autocast:
+            samples = sampled_batch(pm.module, batch, t.seq_len // 2, sampler, key=-1 - i)
+        loss_sum, _ = distill_forward(pm.module, teacher, samples, on_policy_objective(cfg), sampled[1:], autocast)
+        sampled[0] += loss_sum
     pm.train()
-    return reduced_metrics(totals, group)
+    return {**reduced_metrics(totals, group),
+            "distill/sample_reverse_kl": reduced_metrics(sampled, group)["distill/loss"]}
 
 
 def run(cfg, rt: Runtime) -> None:
@@ -112,6 +193,7 @@ def run(cfg, rt: Runtime) -> None:
     pm, optimizer, scheduler, loader, autocast, step, _ = build_training(cfg, rt)
     teacher = build_teacher(cfg, rt)
     objective = objective_of(cfg)
+    sampler = sampler_of(cfg, rt)
     logger = MetricsLogger(cfg.run_dir, t.steps, step, rt.is_main, cfg.logging.tensorboard, cfg.logging.progress_bar)
     stop_at = min(t.steps, step + t.stop_after) if t.stop_after > 0 else t.steps
     checkpointer = Checkpointer(ck.dir, ck.keep, ck.async_save)
@@ -120,16 +202,21 @@ def run(cfg, rt: Runtime) -> None:
             start = time.perf_counter()
             lr = scheduler.get_last_lr()[0]
             micro_batches = [to_device(next(loader), rt.device) for _ in range(accum)]
-            metrics = distill_step(pm, teacher, optimizer, scheduler, micro_batches, objective, cfg, dp_size, group,
-                                   autocast)
+            on_policy = is_on_policy(step + 1, cfg.distill.on_policy)
+            if on_policy:
+                with autocast:
+                    micro_batches = [sampled_batch(pm.module, mb, t.seq_len // 2, sampler, key=step * accum + i)
+                                     for i, mb in enumerate(micro_batches)]
+            metrics = distill_step(pm, teacher, optimizer, scheduler, micro_batches,
+                                   on_policy_objective(cfg) if on_policy else objective, cfg, dp_size, group, autocast)
             step += 1
             logger.advance(step)
             if step % t.log_every == 0 or step == stop_at:
                 tokens_per_s = t.global_batch_size * t.seq_len / (time.perf_counter() - start)
-                logger.log(step, {**metrics, "lr": lr, "tokens_per_s": tokens_per_s,
+                logger.log(step, {**metrics, "on_policy": float(on_policy), "lr": lr, "tokens_per_s": tokens_per_s,
                                   "peak_mem_gb": peak_memory_gb(rt.device)})
             if t.eval_every > 0 and step % t.eval_every == 0:
-                valid = evaluate(pm, teacher, objective, cfg, dp_rank, dp_size, group, rt.device, autocast)
+                valid = evaluate(pm, teacher, objective, cfg, dp_rank, dp_size, group, rt.device, autocast, sampler)
                 logger.log(step, valid, prefix="valid")
             if (ck.every > 0 and step % ck.every == 0) or (step == stop_at and ck.save_final):
                 checkpointer.save(step, pm.module, optimizer, extra_state(step, scheduler, loader, rt.device), cfg)

@@ -23,7 +23,7 @@ from speedllm.train.build import to_device
 
 def model_inputs(batch: Dict[str, torch.Tensor]) -> dict:
     """Keyword arguments of the model's forward present in a loader batch."""
-    return {k: batch[k] for k in ("labels", "position_ids", "document_ids") if k in batch}
+    return {k: batch[k] for k in ("labels", "position_ids", "document_ids", "attention_mask") if k in batch}
 
 
 
