@@ -8,7 +8,6 @@ AVX512-BF16 or AMX makes is checked here too; this machine's own probe is measur
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf

@@ -224,6 +224,29 @@ def test_chunked_loss_equals_full_logits(chunk_size):
         assert abs(loss - full(hidden, weight)) <= 1e-4
 
 
+def test_chunked_loss_under_bf16_autocast():
+    """bf16 mixed precision on CPU, over several chunks: the GEMMs take bf16 operands and give bf16 logits, so the
+    loss is the fp32 softmax of the bf16-rounded logits of the bf16-rounded hidden states and weight (up to a
+    logit rounded the other way: the GEMM's order of additions); the gradients come back fp32 within bf16's
+    precision of those; the weight gradient is summed over chunks in fp32."""
+    hidden, weight = rand(23, 16), rand(50, 16)
+    labels = torch.randint(0, 50, (23,))
+    labels[[2, 7, 8]] = -100
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = chunked_cross_entropy(h, w, labels, 5, reference.cross_entropy)
+    loss.backward()
+    h_ref, w_ref = hidden.bfloat16().float().requires_grad_(), weight.bfloat16().float().requires_grad_()
+    logits = h_ref @ w_ref.t()
+    rounded = logits + (logits.detach().bfloat16().float() - logits.detach())  # the value rounded, the gradient not
+    ref = F.cross_entropy(rounded, labels, ignore_index=-100, reduction="sum")
+    ref.backward()
+    assert loss.dtype == h.grad.dtype == w.grad.dtype == torch.float32
+    torch.testing.assert_close(loss, ref, rtol=1e-4, atol=0)
+    for got, want in ((h.grad, h_ref.grad), (w.grad, w_ref.grad)):
+        assert (got - want).abs().max() <= 2**-8 * want.abs().max()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_chunked_loss_in_place_log_softmax_over_shapes_and_dtypes(device):
     """Calls of several shapes and dtypes in a row, each against torch's out-of-place cross-entropy."""

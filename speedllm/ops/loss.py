@@ -72,17 +72,28 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         chunk_size = chunk_rows(chunk_size, hidden_ND.shape[0], weight_VD.shape[0])
         # one chunk's fp32 logits, reused by every chunk of this call and freed with it
         buffer = torch.empty(chunk_size, weight_VD.shape[0], dtype=torch.float32, device=hidden_ND.device)
+        device = hidden_ND.device.type
+        # under autocast (bf16 mixed precision) the three GEMMs run in its dtype, the softmax and the weight
+        # gradient's sum over chunks in fp32
+        amp = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        weight = weight_VD if amp is None else weight_VD.to(amp)
         for start in range(0, hidden_ND.shape[0], chunk_size):
             h = hidden_ND[start : start + chunk_size]
             logits = buffer[: h.shape[0]]
-            if weight_VD.dtype == torch.float32:
+            if amp is not None:
+                h = h.to(amp)
+                logits.copy_(h @ weight.t())
+            elif weight_VD.dtype == torch.float32:
                 torch.mm(h, weight_VD.t(), out=logits)
             else:
                 logits.copy_(h @ weight_VD.t())
             loss, grad_logits = chunk_fn(logits, labels_N[start : start + chunk_size])
-            grad_hidden[start : start + chunk_size] = grad_logits.to(weight_VD.dtype) @ weight_VD
+            grad_hidden[start : start + chunk_size] = grad_logits.to(weight.dtype) @ weight
             if ctx.needs_input_grad[1]:  # a frozen output weight (LoRA, QLoRA) gets no vocabulary-sized gradient
-                if grad_weight is None:
+                if amp is not None:
+                    chunk_grad = (grad_logits.t().to(amp) @ h).float()
+                    grad_weight = chunk_grad if grad_weight is None else grad_weight.add_(chunk_grad)
+                elif grad_weight is None:
                     grad_weight = grad_logits.t() @ h.float()
                 else:
                     grad_weight.addmm_(grad_logits.t(), h.float())
