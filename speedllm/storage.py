@@ -22,8 +22,8 @@ from speedllm.outputs import write_text_atomic
 
 Location = Union[str, Path]
 
-# protocol -> the extra that installs its fsspec implementation (the others: see fsspec's known_implementations)
-EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+# protocol -> the extra that installs its fsspec implementation (the others: fsspec's known_implementations name it)
+EXTRAS = {"s3": "s3", "s3a": "s3"}
 
 
 def is_url(path: Location) -> bool:
@@ -61,7 +61,7 @@ def filesystem(url: str, key: str = "path"):
                         f"(s3://, gs://, file://, memory:// ...)") from None
     except ImportError as e:
         extra = EXTRAS.get(protocol)
-        how = f"pip install 'speedllm[{extra}]'" if extra else "install the fsspec package for it"
+        how = f"pip install 'speedllm[{extra}]'" if extra else "install fsspec's package for that protocol"
         raise UserError(f"{key}={url} needs the '{protocol}://' storage package, which is not installed ({e.name or e}"
                         f"); {how}") from None
 
@@ -178,11 +178,8 @@ def local_inputs(patterns, cache_dir: Location) -> list:
     """Files or globs, with each URL among them replaced by local copies of the files it matches, in order."""
     found = []
     for pattern in [patterns] if isinstance(patterns, str) else list(patterns):
-        if is_url(pattern):
-            found.extend(str(p) for p in cached_files(glob(pattern), cache_dir)) if glob(pattern) else \
-                found.append(pattern)
-        else:
-            found.append(pattern)
+        matched = glob(pattern) if is_url(pattern) else []
+        found.extend([str(p) for p in cached_files(matched, cache_dir)] if matched else [pattern])
     return found
 
 
