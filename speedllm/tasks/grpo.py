@@ -208,7 +208,8 @@ def rl_update(pm, ro: Rollout, advantages_N, ref_NC, optimizer, cfg, dp_group, w
     diff = torch.zeros(())
     for epoch in range(rl.ppo_epochs):
         for m in range(rl.mini_batches):
-            rows = slice(m * size, (m + 1) * size)
+            # every mini_batches-th row: the mini-batch is the same set of rows whatever the data-parallel split
+            rows = torch.arange(m, N, rl.mini_batches)
             part = ro.select(rows)
             counts = all_reduce(torch.tensor([float(size), float(part.completion_mask.sum())]), dp_group)
             routes = replay_routes(model, part.routes, impose=replay) if part.routes is not None \
