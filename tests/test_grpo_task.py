@@ -78,7 +78,7 @@ def test_resume_is_bit_exact(straight, tmp_path):
 
 
 @pytest.mark.parametrize("fn, message", [
-    ("raises", r"rl.rewards: raises raised ValueError: no answer key \(on the completions of prompts \[\d+"),
+    ("raises", r"rl.rewards: raises raised ValueError: no answer key \(on the completions of prompt \d+\) — fix"),
     ("too_few", r"rl.rewards: too_few returned 15 values for 16 completions — return one float per completion"),
     ("nan_at_5", r"rl.rewards: nan_at_5 returned nan for a completion of prompt \d+ \(row 5\)"),
     ("none_at_2", r"rl.rewards: none_at_2 returned None for a completion of prompt \d+ \(row 2\)"),
@@ -127,3 +127,23 @@ def _validation_error(tmp_path, overrides) -> str:
         with pytest.raises(UserError) as err:
             validate(cfg, world, nproc)
     return f"error: {err.value}"
+
+
+def vowels_if_even(prompts, completions, answer, **columns):
+    """vowels() for prompts whose answer is even, 0 for the others (their groups carry no advantage)."""
+    return [v if int(a) % 2 == 0 else 0.0 for v, a in zip(vowels(prompts, completions), answer)]
+
+
+def test_dynamic_sampling_replaces_groups_without_advantage(tmp_path):
+    cfg = config(tmp_path, *RL, "train.steps=1", "rl.dynamic_sampling=true", "rl.max_resample=3",
+                 "rl.rewards=[{_target_: test_grpo_task.vowels_if_even}]")
+    run(cfg, Runtime())
+    (record,) = metrics(tmp_path)
+    assert 0 < record["rl/zero_adv_groups"] < 1  # the first rollout had groups to replace
+    assert record["rl/response_len"] > 0 and record["loss"] != 0
+
+
+def test_lora_reference_is_the_base_with_adapters_off(tmp_path):
+    run(config(tmp_path, *RL, "train.steps=2", "rl.kl_coef=0.1", "finetune=lora", "finetune.rank=4"), Runtime())
+    first, second = metrics(tmp_path)
+    assert first["rl/kl"] == 0.0 and second["rl/kl"] > 0  # B = 0: the policy starts as the reference

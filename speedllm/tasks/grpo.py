@@ -20,6 +20,7 @@ Letters: N rows (this rank's completions), C completion columns, F reward functi
 import contextlib
 import functools
 import math
+import numbers
 import time
 from typing import List
 
@@ -74,17 +75,31 @@ def score(rewards: list, prompts: list, completions: list, columns: dict, prompt
         try:
             values = fn(prompts, completions, **columns)
         except Exception as e:  # a user's function: any failure is theirs to fix
-            raise UserError(f"rl.rewards: {name} raised {type(e).__name__}: {e} (on the completions of prompts "
-                            f"{sorted(set(prompt_of_row))}) — fix the function") from None
+            raise UserError(f"rl.rewards: {name} raised {type(e).__name__}: {e} (on the completions of prompt "
+                            f"{_failing_prompt(fn, prompts, completions, columns, prompt_of_row)}) — fix the "
+                            "function") from None
         if values is None or len(values) != len(completions):
             raise UserError(f"rl.rewards: {name} returned {'None' if values is None else len(values)} values for "
                             f"{len(completions)} completions — return one float per completion")
         for row, value in enumerate(values):
-            if value is None or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise UserError(f"rl.rewards: {name} returned {value!r} for a completion of prompt "
                                 f"{prompt_of_row[row]} (row {row}) — return a finite float for every completion")
         out.append(torch.tensor(values, dtype=torch.float32))
     return torch.stack(out, dim=1)
+
+
+def _failing_prompt(fn, prompts, completions, columns, prompt_of_row) -> str:
+    """The first prompt (index in data.input) whose completions alone make `fn` raise, found by calling it on
+    each prompt's rows; all of them if none does alone."""
+    for prompt in dict.fromkeys(prompt_of_row):
+        rows = [i for i, p in enumerate(prompt_of_row) if p == prompt]
+        try:
+            fn([prompts[i] for i in rows], [completions[i] for i in rows],
+               **{k: [v[i] for i in rows] for k, v in columns.items()})
+        except Exception:  # the failure being located
+            return str(prompt)
+    return str(sorted(set(prompt_of_row)))
 
 
 def prompt_seed(seed: int, draw: int) -> int:
@@ -193,7 +208,8 @@ def rl_update(pm, ro: Rollout, advantages_N, ref_NC, optimizer, cfg, dp_group, w
     diff = torch.zeros(())
     for epoch in range(rl.ppo_epochs):
         for m in range(rl.mini_batches):
-            rows = slice(m * size, (m + 1) * size)
+            # every mini_batches-th row: the mini-batch is the same set of rows whatever the data-parallel split
+            rows = torch.arange(m, N, rl.mini_batches)
             part = ro.select(rows)
             counts = all_reduce(torch.tensor([float(size), float(part.completion_mask.sum())]), dp_group)
             routes = replay_routes(model, part.routes, impose=replay) if part.routes is not None \
@@ -204,9 +220,9 @@ def rl_update(pm, ro: Rollout, advantages_N, ref_NC, optimizer, cfg, dp_group, w
                 loss, stats = policy_loss(logprobs, part.logprobs, None if ref_NC is None else ref_NC[rows],
                                           advantages_N[rows], part.completion_mask, rl, counts[0], counts[1])
                 loss.backward()
-            if epoch == 0 and m == 0:
+            if epoch == 0 and m == 0:  # before any update: the training forward of the rollout's own policy
                 diff = ((logprobs.detach() - part.logprobs).abs() * part.completion_mask).max()
-                changed = sum((t.changed.cpu() for t in tapes), changed)
+            changed = sum((t.changed.cpu() for t in tapes), changed)
             grad_norm = clip_grad_norm(pm, cfg.train.grad_clip)
             if math.isfinite(loss.item()) and bool(torch.isfinite(grad_norm)):
                 optimizer_step(optimizer, cfg.parallel.offload)
