@@ -123,6 +123,7 @@ def choose_layout(cfg: DictConfig) -> None:
     when training) in place with the fastest layout that fits on the devices the launcher names (with offload only
     when nothing fits without: speedllm.planner.search.Planner.search)."""
     from speedllm.planner import device_count
+    from speedllm.planner.layout import apply_layout, uneven
     from speedllm.planner.memory import GIB
     from speedllm.planner.search import Planner, problem_from_config
 
@@ -136,16 +137,11 @@ def choose_layout(cfg: DictConfig) -> None:
                         f"(memory_gb={cfg.hardware.memory_gb}); add devices (launcher.nnodes / "
                         f"launcher.nproc_per_node) or lower train.seq_len, train.global_batch_size"
                         + ("" if cfg.plan.allow_offload or not train else ", or allow offload (plan.allow_offload=true)"))
-    lay, p = best.layout, cfg.parallel
-    p.dp, p.tp, p.pp, p.vpp, p.ep, p.cp = lay.dp, lay.tp, lay.pp, lay.vpp, lay.ep, lay.cp
-    p.fsdp, p.pp_schedule, p.offload = lay.fsdp, lay.schedule, lay.offload
-    split = planner.split(lay)
-    p.pp_layers = split if lay.pp > 1 and len(set(split)) > 1 else None
+    lay = best.layout
+    apply_layout(lay, cfg.parallel, None if not train else cfg.train, uneven(planner.split(lay)))
     if cfg.launcher.nproc_per_node == 0:
         cfg.launcher.nproc_per_node = world // cfg.launcher.nnodes
     if train:
-        cfg.train.micro_batch_size, cfg.train.recompute = lay.micro_batch, lay.recompute
-        cfg.train.activation_offload = lay.activation_offload
         print(f"parallel=auto: {lay.short()} on {world} device(s): {best.memory.total / GIB:.1f} GiB per device, "
               f"~{best.tokens_per_s:,.0f} tokens/s (task=plan shows the alternatives)")
     else:

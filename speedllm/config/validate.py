@@ -21,11 +21,15 @@ from speedllm.ops import IMPLEMENTATIONS
 from speedllm.parallel.rules import (
     OFFLOAD,
     PP_SCHEDULES,
+    batch_errors,
     divisors,
     inference_layout_errors,
     layout_errors,
     offload_errors,
+    optimizer_layout_errors,
     pipeline_batch_errors,
+    qlora_layout_errors,
+    sequence_errors,
 )
 from speedllm.paths import CONF
 from speedllm.quant import FLOAT8_RECIPES, QUANT_NAMES, TRAINING
@@ -218,6 +222,9 @@ def check_values(cfg: DictConfig) -> None:
     if m.num_experts > 0 and not (1 <= m.num_experts_per_tok <= m.num_experts and m.moe_intermediate_size >= 1):
         raise UserError(f"model.num_experts={m.num_experts} needs model.num_experts_per_tok in [1, {m.num_experts}] "
                         f"and model.moe_intermediate_size >= 1 (now {m.num_experts_per_tok}, {m.moe_intermediate_size})")
+    if not cfg.task.inference:  # before parallel=auto plans: the positions bound every layout alike
+        for error in sequence_errors(m, cfg.train.seq_len, tp=1, cp=1, sequence_parallel=False):
+            raise UserError(error)
     if o.min_lr > o.lr:
         raise UserError(f"optim.min_lr={o.min_lr} exceeds optim.lr={o.lr}; lower optim.min_lr")
     if lc.node_rank >= lc.nnodes:
@@ -297,35 +304,24 @@ def check_task(cfg: DictConfig, world_size: int) -> None:
         raise UserError(f"task._target_={cfg.task._target_} cannot be imported ({str(e).splitlines()[0]}); "
                         "use one of the tasks in conf/task") from None
     errors = optimizer_errors(cfg.optim)
+    if not cfg.task.inference:
+        errors += optimizer_layout_errors(cfg.optim._target_, world_size)
     if errors:
         raise UserError(errors[0])
-    if cfg.optim._target_ == "torch.optim.Adafactor" and world_size > 1 and not cfg.task.inference:
-        raise UserError(f"optim=adafactor runs in a single process (torch's Adafactor cannot update sharded "
-                        f"DTensor parameters), not on {world_size} ranks; use optim=adamw or optim=sgd here")
 
 
 def check_batch(cfg: DictConfig) -> None:
-    t, p, m = cfg.train, cfg.parallel, cfg.model
-    # a dry run builds the ranks, not a step's batch
-    if t.global_batch_size % (t.micro_batch_size * p.dp) and cfg.task.name != "dryrun":
-        raise UserError(f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="
-                        f"{t.micro_batch_size} x parallel.dp={p.dp}; use a multiple of {t.micro_batch_size * p.dp}")
-    if not cfg.task.inference and cfg.task.name not in ("dryrun", "plan"):
-        for error in pipeline_batch_errors(pp=p.pp, vpp=p.vpp, schedule=p.pp_schedule,
-                                           pp_microbatches=p.pp_microbatches, global_batch=t.global_batch_size,
-                                           micro_batch=t.micro_batch_size, dp=p.dp):
-            raise UserError(error)
-    # inference has no training sequence; a plan only sizes the run
-    if t.seq_len > m.max_position_embeddings and not cfg.task.inference and cfg.task.name != "plan":
-        raise UserError(f"train.seq_len={t.seq_len} exceeds max_position_embeddings={m.max_position_embeddings} of "
-                        f"model {m.name}; lower train.seq_len, or extend the model with model.rope_scaling "
-                        "(e.g. yarn) and a larger model.max_position_embeddings")
-    if p.cp > 1 and t.seq_len % (2 * p.cp):
-        raise UserError(f"train.seq_len={t.seq_len} must be divisible by 2 x parallel.cp = {2 * p.cp} "
-                        f"(load-balanced causal chunks); pick a multiple of {2 * p.cp}")
-    if p.tp > 1 and p.sequence_parallel and t.seq_len % p.tp:
-        raise UserError(f"train.seq_len={t.seq_len} must be divisible by parallel.tp={p.tp} with sequence parallel; "
-                        f"pick a multiple of {p.tp} or set parallel.sequence_parallel=false")
+    t, p = cfg.train, cfg.parallel
+    errors = [] if cfg.task.name == "dryrun" else batch_errors(  # a dry run builds the ranks, not a step's batch
+        global_batch=t.global_batch_size, micro_batch=t.micro_batch_size, dp=p.dp)
+    if not cfg.task.inference:  # inference has no training sequence or step
+        if cfg.task.name not in ("dryrun", "plan"):  # task=plan says why your layout is not costed
+            errors += pipeline_batch_errors(pp=p.pp, vpp=p.vpp, schedule=p.pp_schedule,
+                                            pp_microbatches=p.pp_microbatches, global_batch=t.global_batch_size,
+                                            micro_batch=t.micro_batch_size, dp=p.dp)
+        errors += sequence_errors(cfg.model, t.seq_len, tp=p.tp, cp=p.cp, sequence_parallel=p.sequence_parallel)
+    if errors:
+        raise UserError(errors[0])
 
 
 def check_quant(cfg: DictConfig) -> None:
@@ -426,13 +422,8 @@ def check_qlora(cfg: DictConfig) -> None:
     from speedllm.quant.nf4 import NF4_BLOCK, NF4_SCALER_BLOCK
 
     p, m, ft = cfg.parallel, cfg.model, cfg.finetune
-    unsharded = [f"parallel.{k}={v}" for k, v in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp), ("ep", p.ep)) if v > 1]
-    if not p.fsdp and p.dp > 1:
-        unsharded.append("parallel.fsdp=false")
-    if unsharded:
-        raise UserError(f"finetune=qlora shards its NF4 base with FSDP2 only, not under {', '.join(unsharded)} "
-                        "(torchao's NF4 weights have no tensor-, pipeline-, context- or expert-parallel form); use "
-                        f"parallel=fsdp<N> or parallel=single, or finetune=lora for {p.name}")
+    for error in qlora_layout_errors(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, dp=p.dp, fsdp=p.fsdp, name=p.name):
+        raise UserError(error)
     q, kv, d, i = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim, m.hidden_size, \
         m.intermediate_size
     shapes = {"q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q)}
@@ -615,16 +606,22 @@ def check_inputs(cfg: DictConfig) -> None:
                         "run) or checkpoint.load_hf=<Hugging Face model dir> (with model=hf)")
 
 
-def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
-    """Run every rule; the first failure raises UserError."""
-    validate_values(cfg)
+def validate_layout(cfg: DictConfig, world_size: int) -> None:
+    """The rules on the task, optimizer, layout, batch, quantization and adapters (no files, devices or network):
+    every layout task=plan ranks passes them when set explicitly (tests/test_plan_rules.py)."""
     check_task(cfg, world_size)
-    check_extras(cfg)
     check_parallel(cfg)
     check_batch(cfg)
     check_quant(cfg)
     check_finetune(cfg)
-    if cfg.task.name == "grpo":
+
+
+def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
+    """Run every rule; the first failure raises UserError."""
+    validate_values(cfg)
+    check_extras(cfg)
+    validate_layout(cfg, world_size)
+    if cfg.task.name == "grpo":  # these read their files (prompts, reward functions, the teacher)
         check_rl(cfg)
     if cfg.task.name == "distill":
         check_distill(cfg)

@@ -119,18 +119,67 @@ def pipeline_batch_errors(*, pp: int, vpp: int, schedule: str, pp_microbatches: 
 
 def offload_errors(offload: str, *, fsdp: bool, finetune: str, optimizer: str) -> List[str]:
     """parallel.offload moves FSDP2's sharded state to host memory, so it needs FSDP2 sharding (with dp x cp = 1
-    a 1-rank FSDP2 mesh carries it) and an optimizer that updates DTensor parameters."""
+    a 1-rank FSDP2 mesh carries it) and an optimizer that updates DTensor parameters (`optimizer`: optim._target_)."""
     if offload == "none":
         return []
     if not fsdp:
         return [f"parallel.offload={offload} offloads FSDP2's sharded parameters and optimizer states, but "
                 "parallel.fsdp=false replicates them (DDP-like); set parallel.fsdp=true or parallel.offload=none"]
     if finetune == "qlora":
-        return [f"parallel.offload={offload} with finetune=qlora: the NF4 base runs in one process without FSDP2; "
-                "use finetune=lora, or parallel.offload=none"]
+        return [f"parallel.offload={offload} with finetune=qlora is not supported (the frozen base is already 4-bit "
+                "NF4 and the adapters' states are small); use finetune=lora with offload, or parallel.offload=none"]
     if optimizer.endswith("Adafactor"):
         return [f"parallel.offload={offload} with optim=adafactor: torch's Adafactor cannot update FSDP2's DTensor "
                 "parameters; use optim=adamw or optim=sgd, or parallel.offload=none"]
+    if offload == "params" and optimizer.endswith("MuonAdamW"):
+        return ["parallel.offload=params with optim=muon: the update would gather every hidden matrix and run its "
+                "Newton-Schulz iteration on the host, on every rank; use parallel.offload=optimizer (the update "
+                "stays on the device) or optim=adamw"]
+    return []
+
+
+def sequence_errors(model, seq_len: int, *, tp: int, cp: int, sequence_parallel: bool) -> List[str]:
+    """What keeps a training sequence of `seq_len` tokens from running: the model's positions, and the shards
+    context parallel (2 x cp load-balanced chunks) and sequence parallel (tp) cut it into."""
+    errors = []
+    if seq_len > model.max_position_embeddings:
+        errors.append(f"train.seq_len={seq_len} exceeds max_position_embeddings={model.max_position_embeddings} of "
+                      f"model {model.name}; lower train.seq_len, or extend the model with model.rope_scaling "
+                      "(e.g. yarn) and a larger model.max_position_embeddings")
+    if cp > 1 and seq_len % (2 * cp):
+        errors.append(f"train.seq_len={seq_len} must be divisible by 2 x parallel.cp = {2 * cp} (load-balanced "
+                      f"causal chunks); pick a multiple of {2 * cp}")
+    if tp > 1 and sequence_parallel and seq_len % tp:
+        errors.append(f"train.seq_len={seq_len} must be divisible by parallel.tp={tp} with sequence parallel; pick "
+                      f"a multiple of {tp} or set parallel.sequence_parallel=false")
+    return errors
+
+
+def batch_errors(*, global_batch: int, micro_batch: int, dp: int) -> List[str]:
+    """A step's sequences split into micro-batches on every data-parallel rank."""
+    if global_batch % (micro_batch * dp):
+        return [f"train.global_batch_size={global_batch} is not divisible by train.micro_batch_size={micro_batch} x "
+                f"parallel.dp={dp}; use a multiple of {micro_batch * dp}"]
+    return []
+
+
+def optimizer_layout_errors(optimizer: str, world: int) -> List[str]:
+    """Training with optimizer `optimizer` (optim._target_) on `world` ranks."""
+    if optimizer == "torch.optim.Adafactor" and world > 1:
+        return [f"optim=adafactor runs in a single process (torch's Adafactor cannot update sharded DTensor "
+                f"parameters), not on {world} ranks; use optim=adamw or optim=sgd here"]
+    return []
+
+
+def qlora_layout_errors(*, tp: int, pp: int, cp: int, ep: int, dp: int, fsdp: bool, name: str = "") -> List[str]:
+    """finetune=qlora shards its NF4 base with FSDP2 only (torchao's NF4 weights have no other parallel form)."""
+    unsharded = [f"parallel.{k}={v}" for k, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)) if v > 1]
+    if not fsdp and dp > 1:
+        unsharded.append("parallel.fsdp=false")
+    if unsharded:
+        return [f"finetune=qlora shards its NF4 base with FSDP2 only, not under {', '.join(unsharded)} (torchao's "
+                "NF4 weights have no tensor-, pipeline-, context- or expert-parallel form); use parallel=fsdp<N> or "
+                f"parallel=single, or finetune=lora{f' for {name}' if name else ''}"]
     return []
 
 

@@ -57,6 +57,25 @@ def layout_from_config(parallel, train) -> Layout:
                   offload=parallel.offload, activation_offload=train.activation_offload)
 
 
+def apply_layout(layout: Layout, parallel, train=None, pp_layers=None) -> None:
+    """Write every field of `layout` into a config's parallel section (and, for training, its train section): the
+    inverse of layout_from_config, so the run builds the layout the planner costed. `pp_layers`: the stage sizes
+    when they are not even (parallel.pp_layers), else None."""
+    parallel.dp, parallel.tp, parallel.pp, parallel.vpp = layout.dp, layout.tp, layout.pp, layout.vpp
+    parallel.ep, parallel.cp, parallel.cp_mode = layout.ep, layout.cp, layout.cp_mode
+    parallel.fsdp, parallel.reshard_after_forward = layout.fsdp, layout.reshard_after_forward
+    parallel.sequence_parallel, parallel.pp_schedule = layout.sequence_parallel, layout.schedule
+    parallel.offload, parallel.pp_layers = layout.offload, pp_layers
+    if train is not None:
+        train.micro_batch_size, train.recompute = layout.micro_batch, layout.recompute
+        train.activation_offload = layout.activation_offload
+
+
+def uneven(split: List[int]):
+    """parallel.pp_layers for a stage split: the list when its stages differ in size, else None (an even split)."""
+    return split if len(set(split)) > 1 else None
+
+
 def stage_layers(num_layers: int, stages: int, explicit=None) -> List[int]:
     """Decoder layers per pipeline stage (pp * vpp stages): the explicit list, or as even as possible with the
     larger stages in the middle (the first holds the embedding, the last the output projection and loss)."""

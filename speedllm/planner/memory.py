@@ -30,7 +30,7 @@ from speedllm.parallel.fsdp import expert_shard_dim
 from speedllm.parallel.pipeline import stages_of_rank
 from speedllm.parallel.rules import ulysses_degree
 from speedllm.planner.layout import Layout
-from speedllm.train.optimizer import fused_adamw
+from speedllm.train.optimizer import fused_adamw, muon_param_groups
 
 MASTER_BYTES = 4  # fp32 master weights and fp32 gradient reduction (the mixed-precision policy)
 GIB = 2**30
@@ -45,6 +45,7 @@ class Tensor:
     shape: Tuple[int, ...]
     tp_dim: Optional[int]  # dimension the tensor-parallel plan shards, None = replicated over tp
     expert: bool  # stacked experts [E, out, in], split over ep on dim 0
+    muon: bool = False  # a hidden matrix optim=muon updates (speedllm.train.optimizer.muon_param_groups)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class ModelTensors:
     moe_layers: Tuple[bool, ...]
 
 
-def _config_key(model_cfg) -> tuple:
+def config_key(model_cfg) -> tuple:
     items = OmegaConf.to_container(model_cfg, resolve=False) if OmegaConf.is_config(model_cfg) else vars(model_cfg)
     return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in items.items() if k != "tokenizer"))
 
@@ -98,7 +99,7 @@ def tp_dim(module_fqn: str, module: nn.Module, param_name: str) -> Optional[int]
 
 def model_tensors(model_cfg) -> ModelTensors:
     """Parameters of the real model built on the meta device, with their placements (cached per model config)."""
-    return _model_tensors(_config_key(model_cfg))
+    return _model_tensors(config_key(model_cfg))
 
 
 @lru_cache(maxsize=32)
@@ -110,15 +111,16 @@ def _model_tensors(key: tuple) -> ModelTensors:
     with torch.device("meta"):
         model = Qwen3(cfg)
     expert_params = {id(p) for m in model.modules() if isinstance(m, Experts) for p in m.parameters()}
+    muon_params = {id(p) for g in muon_param_groups(model, False) if g["muon"] for p in g["params"]}
     per_layer: Dict[int, List[Tensor]] = {}
     embed, head = [], []
     for name, param in model.named_parameters():  # a tied lm_head appears once, as embed_tokens.weight
         module, _, pname = name.rpartition(".")
         entry = Tensor(name, tuple(param.shape), tp_dim(module, model.get_submodule(module), pname),
-                       id(param) in expert_params)
+                       id(param) in expert_params, id(param) in muon_params)
         if name.startswith("layers."):
             _, layer, local = name.split(".", 2)
-            per_layer.setdefault(int(layer), []).append(Tensor(local, entry.shape, entry.tp_dim, entry.expert))
+            per_layer.setdefault(int(layer), []).append(replace(entry, name=local))
         elif name.startswith("embed_tokens."):
             embed.append(entry)
         else:
@@ -153,7 +155,7 @@ def local_shape(t: Tensor, tp: int, ep: int, fsdp: int) -> Tuple[int, ...]:
     return tuple(shape)
 
 
-def adamw_state_numel(shape) -> int:
+def adamw_state_numel(shape, muon: bool = False) -> int:
     """AdamW's exp_avg and exp_avg_sq (the default optimizer; speedllm.train.optimizer.state_numel in general)."""
     return 2 * math.prod(shape)
 
@@ -168,10 +170,31 @@ def fsdp_degrees(layout: Layout) -> Tuple[int, int]:
     return layout.dp * layout.cp, layout.dp * layout.cp * layout.tp // layout.ep
 
 
-def _tensors_numel(tensors, layout: Layout, sharded: bool, per_shape=math.prod) -> int:
-    """Sum of `per_shape` (elements by default) over the first rank's pieces of `tensors`."""
+def _tensors_numel(tensors, layout: Layout, sharded: bool, state_numel=None) -> int:
+    """Elements of the first rank's pieces of `tensors` (with `state_numel(shape, muon)`: of their optimizer
+    states)."""
     dense, expert = fsdp_degrees(layout) if sharded else (1, 1)
-    return sum(per_shape(local_shape(t, layout.tp, layout.ep, expert if t.expert else dense)) for t in tensors)
+    shapes = ((local_shape(t, layout.tp, layout.ep, expert if t.expert else dense), t.muon) for t in tensors)
+    if state_numel is None:
+        return sum(math.prod(shape) for shape, _ in shapes)
+    return sum(state_numel(shape, muon) for shape, muon in shapes)
+
+
+def muon_facts(tensors, layout: Layout) -> Tuple[int, int, int]:
+    """(elements a rank receives when Muon gathers the updates of `tensors`' Muon matrices in full, elements of
+    the largest such full tensor (stacked experts: all of them), FLOPs of one Newton-Schulz iteration over them
+    all). speedllm.train.muon gathers every matrix on every rank and orthogonalizes it there."""
+    gathered = largest = flops = 0
+    for t in tensors:
+        if not t.muon:
+            continue
+        full = math.prod(t.shape)
+        gathered += full - _tensors_numel([t], layout, True)
+        largest = max(largest, full)
+        small, big = sorted(t.shape[-2:])
+        matrices = t.shape[0] if len(t.shape) == 3 else 1
+        flops += matrices * (4 * small * small * big + 2 * small ** 3)  # X X^T, (A) A, (B) X
+    return gathered, largest, flops
 
 
 @dataclass
@@ -186,6 +209,9 @@ class StageParams:
     max_layer_gathered: int = 0
     max_layer_sharded: int = 0
     max_tensor_state: int = 0  # optimizer state elements of the largest single parameter piece
+    muon_gathered: int = 0  # optim=muon: elements of the updates a step gathers (muon_facts)
+    muon_largest: int = 0
+    muon_flops: int = 0  # of one Newton-Schulz iteration over every Muon matrix of this rank
     layers: int = 0
     moe_layers: int = 0
     has_embed: bool = False
@@ -198,7 +224,8 @@ def rank_params(mt: ModelTensors, layout: Layout, layer_split: List[int], pp_ran
     """What pipeline rank `pp_rank` holds under `layout`, given the layers per stage (pp * vpp stages).
 
     Args:
-        state_numel: optimizer state elements kept for a parameter piece of a given shape.
+        state_numel: optimizer state elements kept for a parameter piece of a given shape, `(shape, muon)` with
+            muon whether optim=muon updates it with Muon (speedllm.train.optimizer.state_numel).
     """
     sp = StageParams()
     starts = [sum(layer_split[:i]) for i in range(len(layer_split))]
@@ -207,6 +234,7 @@ def rank_params(mt: ModelTensors, layout: Layout, layer_split: List[int], pp_ran
     kind_state = [_tensors_numel(kind, layout, True, state_numel) for kind in mt.layer_kinds]
     kind_gathered = [_tensors_numel(kind, layout, False) for kind in mt.layer_kinds]
     kind_max_state = [max(_tensors_numel([t], layout, True, state_numel) for t in kind) for kind in mt.layer_kinds]
+    kind_muon = [muon_facts(kind, layout) for kind in mt.layer_kinds]
     for stage in stages_of_rank(pp_rank, layout.pp, layout.vpp, layout.schedule):
         layers = range(starts[stage], starts[stage] + layer_split[stage])
         sp.per_stage_layers.append(len(layers))
@@ -219,6 +247,10 @@ def rank_params(mt: ModelTensors, layout: Layout, layer_split: List[int], pp_ran
             sp.max_layer_gathered = max(sp.max_layer_gathered, gathered)
             sp.max_layer_sharded = max(sp.max_layer_sharded, kind_sharded[kind])
             sp.max_tensor_state = max(sp.max_tensor_state, kind_max_state[kind])
+            gathered, largest, flops = kind_muon[kind]
+            sp.muon_gathered += gathered
+            sp.muon_largest = max(sp.muon_largest, largest)
+            sp.muon_flops += flops
             sp.layers += 1
             sp.moe_layers += mt.moe_layers[layer]
         root = []
@@ -438,12 +470,14 @@ def loss_bytes(m, layout: Layout, seq_len: int, dtype_bytes: int, chunk: int, vo
 
 def rank_memory(m, layout: Layout, sp: StageParams, pp_rank: int, seq_len: int,
                 global_batch: int, dtype: str, loss_chunk: int, tp_dims, ops: str = "reference",
-                device: str = "cuda") -> Memory:
+                device: str = "cuda", muon_bytes: int = 0) -> Memory:
     """Peak bytes of pipeline rank `pp_rank` in a training step.
 
     Args:
         tp_dims: whether the TP plan splits (the MLP width, the experts' width, the vocabulary), see tp_facts.
         device: the profile's device type, which decides whether AdamW runs fused (speedllm.train.optimizer).
+        muon_bytes: optim=muon's Newton-Schulz dtype size (0: another optimizer); its update holds the largest
+            gathered matrix, its working copy and the orthogonalized result in that dtype.
     """
     e = DTYPES[dtype].itemsize
     num_micro = global_batch // (layout.micro_batch * layout.dp)
@@ -456,6 +490,7 @@ def rank_memory(m, layout: Layout, sp: StageParams, pp_rank: int, seq_len: int,
         mem.update_temporaries = sp.max_tensor_state * MASTER_BYTES
     else:
         mem.update_temporaries = 0.0 if fused_adamw(device) else sp.sharded * MASTER_BYTES * UPDATE_TEMPORARIES
+    mem.update_temporaries += 3 * sp.muon_largest * muon_bytes
     accumulating = num_micro > 1 or layout.pp > 1
     dense_fsdp, _ = fsdp_degrees(layout)
     if layout.fsdp and (dense_fsdp > 1 or layout.offload != "none"):  # offload: FSDP2 on a 1-rank mesh too

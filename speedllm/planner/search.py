@@ -1,11 +1,11 @@
 """Search the layouts of a model on a device count: every valid tp, pp, vpp, dp, ep, cp, micro batch and
 recompute policy is costed (memory of its busiest rank, step time) and ranked by estimated throughput.
 
-Structural rules are validation's own (speedllm.parallel.rules.layout_errors: heads % tp, stages, experts % ep,
-the combinations speedllm.parallel.parallelize builds), with the planner's uneven stage split spelled out as
-parallel.pp_layers; then batch divisibility and two rules of the planner's own: tensor parallel stays inside a
-node (it is on the critical path of every layer) and a pipeline gets at least pp micro-batches per step (interleaving needs a multiple of pp, as torch's
-Interleaved1F1B and MindSpeed do).
+Every rule is validation's own (speedllm.parallel.rules: heads % tp, stages, experts % ep, the combinations
+speedllm.parallel.parallelize builds, the sequence against tp and cp, batch and micro-batch counts, offload, the
+optimizer, QLoRA), called with the layout exactly as parallel=auto writes it into the config
+(speedllm.planner.layout.apply_layout, the uneven stage split as parallel.pp_layers); the one choice of the
+planner's own is where it looks: tensor parallel stays inside a node (it is on the critical path of every layer).
 """
 
 from collections import Counter
@@ -17,8 +17,17 @@ from typing import Dict, List, Optional
 from omegaconf import OmegaConf
 
 from speedllm.hardware import DTYPES
-from speedllm.parallel.rules import divisors, layout_errors, pipeline_batch_errors
-from speedllm.planner.layout import Layout, stage_layers
+from speedllm.parallel.rules import (
+    batch_errors,
+    divisors,
+    layout_errors,
+    offload_errors,
+    optimizer_layout_errors,
+    pipeline_batch_errors,
+    qlora_layout_errors,
+    sequence_errors,
+)
+from speedllm.planner.layout import Layout, stage_layers, uneven
 from speedllm.planner.memory import (
     GIB,
     Memory,
@@ -30,9 +39,8 @@ from speedllm.planner.memory import (
     teacher_bytes,
     tp_facts,
 )
-from speedllm.planner.timing import StepTime, step_time
-from speedllm.train.metrics import flops_per_token
-from speedllm.train.optimizer import state_numel
+from speedllm.planner.timing import StepTime, per_token, step_time
+from speedllm.train.optimizer import ns_dtype, state_numel
 
 MICRO_BATCHES = (1, 2, 4, 8)
 RECOMPUTE = ("none", "selective", "full")
@@ -57,6 +65,11 @@ class Problem:
     optim: object = None  # OptimConfig fields; None: AdamW
     allow_offload: bool = True  # plan.allow_offload: offload to host memory when nothing fits without
     teacher: object = None  # task=distill: the frozen teacher's ModelConfig fields, held beside the model
+    finetune: str = "full"  # finetune.name
+
+    @property
+    def optimizer(self) -> str:
+        return "torch.optim.AdamW" if self.optim is None else self.optim._target_
 
     @property
     def capacity(self) -> float:
@@ -99,8 +112,12 @@ class Planner:
     def __init__(self, problem: Problem):
         # typed objects: the search reads config fields millions of times, and DictConfig access is slow
         problem.model, problem.hardware = as_object(problem.model), as_object(problem.hardware)
+        problem.optim = as_object(problem.optim)
         self.p = problem
         self.state_numel = adamw_state_numel if problem.optim is None else partial(state_numel, problem.optim)
+        # optim=muon: (Newton-Schulz dtype, ns_steps), the gathered matrices' traffic, memory and compute
+        self.muon = (ns_dtype(problem.optim, problem.hardware.device), problem.optim.ns_steps) \
+            if problem.optimizer.endswith("MuonAdamW") else None
         self.mt = model_tensors(problem.model)
         self.tp_facts = tp_facts(self.mt)
         self._params = {}
@@ -118,8 +135,10 @@ class Planner:
         """Memory of every pipeline rank (the first rank of each of its other axes) under `layout`."""
         p = self.p
         stages = self.rank_params(layout, self.split(layout, explicit_split))
+        muon_bytes = DTYPES[self.muon[0]].itemsize if self.muon else 0
         memories = [rank_memory(p.model, layout, sp, r, p.seq_len, p.global_batch, p.hardware.dtype, p.loss_chunk,
-                                self.tp_facts, p.hardware.ops, p.hardware.device) for r, sp in enumerate(stages)]
+                                self.tp_facts, p.hardware.ops, p.hardware.device, muon_bytes)
+                    for r, sp in enumerate(stages)]
         if p.teacher is not None:
             for memory in memories:
                 memory.teacher = teacher_bytes(p.teacher, layout, p.hardware.dtype)
@@ -140,9 +159,9 @@ class Planner:
             selective = (layer_activation_bytes(m, kept, p.seq_len, e, moe, self.tp_facts, ops)
                          - layer_activation_bytes(m, layout, p.seq_len, e, moe, self.tp_facts, ops))
         time = step_time(m, layout, p.hardware, busiest, p.seq_len, p.global_batch, p.efficiency, selective,
-                         memory.offloaded_per_layer)
+                         memory.offloaded_per_layer, self.muon)
         tokens_per_s = p.global_batch * p.seq_len / time.total
-        mfu = tokens_per_s * flops_per_token(m, p.seq_len) / (p.hardware.peak_tflops[p.hardware.dtype] * 1e12
+        mfu = tokens_per_s * per_token(m, p.seq_len)[0] / (p.hardware.peak_tflops[p.hardware.dtype] * 1e12
                                                                  * layout.world)
         fits = memory.total <= p.capacity and memory.host <= p.host_capacity
         if memory.total > p.capacity:
@@ -154,29 +173,23 @@ class Planner:
         return Estimate(layout, memory, time, tokens_per_s, mfu, time.bubble / time.total, fits, reason)
 
     def invalid_reason(self, layout: Layout) -> Optional[str]:
-        """Why a layout cannot run (None: it can), in the words of the config key to change: the layout rules
-        validation applies (speedllm.parallel.rules), then what makes a training step impossible on paper."""
-        m, p, hw = self.p.model, self.p, self.p.hardware
-        errors = layout_errors(m, tp=layout.tp, pp=layout.pp, vpp=layout.vpp, ep=layout.ep, cp=layout.cp,
-                               dp=layout.dp, schedule=layout.schedule, pp_layers=self.split(layout),
-                               cp_mode=layout.cp_mode)
-        if errors:
-            return errors[0]
-        if layout.tp > hw.devices_per_node:
-            return f"tp={layout.tp} would span nodes ({hw.devices_per_node} devices per node)"
-        if p.seq_len % layout.tp or p.seq_len % (2 * layout.cp):
-            return f"seq_len={p.seq_len} does not split over tp x 2cp"
-        if p.global_batch % (layout.micro_batch * layout.dp):
-            return f"global batch {p.global_batch} is not divisible by micro batch x dp"
-        num_micro = p.global_batch // (layout.micro_batch * layout.dp)
-        if layout.pp > 1 and num_micro < layout.pp:
-            return "fewer micro-batches than pipeline stages"
-        if layout.vpp > 1 and num_micro % layout.pp:
-            return "interleaved pipeline needs micro-batches divisible by pp"
-        errors = pipeline_batch_errors(pp=layout.pp, vpp=layout.vpp, schedule=layout.schedule, pp_microbatches=0,
-                                       global_batch=p.global_batch, micro_batch=layout.micro_batch, dp=layout.dp)
-        if layout.offload != "none" and not layout.fsdp:
-            errors.append("offload needs FSDP2 (parallel.fsdp=true)")
+        """Why a layout cannot run (None: it can), in the words of the config key to change: the rules validation
+        applies (speedllm.parallel.rules) to the layout as parallel=auto would write it, then the planner's own
+        bound (tensor parallel inside a node)."""
+        m, p, lay = self.p.model, self.p, layout
+        errors = layout_errors(m, tp=lay.tp, pp=lay.pp, vpp=lay.vpp, ep=lay.ep, cp=lay.cp, dp=lay.dp,
+                               schedule=lay.schedule, pp_layers=uneven(self.split(lay)), cp_mode=lay.cp_mode,
+                               sequence_parallel=lay.sequence_parallel)
+        errors += sequence_errors(m, p.seq_len, tp=lay.tp, cp=lay.cp, sequence_parallel=lay.sequence_parallel)
+        errors += batch_errors(global_batch=p.global_batch, micro_batch=lay.micro_batch, dp=lay.dp)
+        errors += pipeline_batch_errors(pp=lay.pp, vpp=lay.vpp, schedule=lay.schedule, pp_microbatches=0,
+                                        global_batch=p.global_batch, micro_batch=lay.micro_batch, dp=lay.dp)
+        errors += offload_errors(lay.offload, fsdp=lay.fsdp, finetune=p.finetune, optimizer=p.optimizer)
+        errors += optimizer_layout_errors(p.optimizer, lay.world)
+        if p.finetune == "qlora":
+            errors += qlora_layout_errors(tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, dp=lay.dp, fsdp=lay.fsdp)
+        if lay.tp > p.hardware.devices_per_node:
+            errors.append(f"parallel.tp={lay.tp} would span nodes ({p.hardware.devices_per_node} devices per node)")
         return errors[0] if errors else None
 
     def layouts(self):
@@ -188,7 +201,8 @@ class Planner:
             for cp in [c for c in cps if (world // tp) % c == 0]:
                 for pp in divisors(world // (tp * cp)):
                     dp = world // (tp * cp * pp)
-                    for vpp in VIRTUAL_STAGES if pp > 1 else (1,):
+                    # no stage without a layer: parallel.pp_layers could not say it
+                    for vpp in [v for v in VIRTUAL_STAGES if pp * v <= m.num_hidden_layers] if pp > 1 else (1,):
                         schedule = "Interleaved1F1B" if vpp > 1 else "1F1B"
                         for ep in [x for x in experts if x <= dp * cp * tp]:
                             for mb, recompute, cp_mode in product(MICRO_BATCHES, RECOMPUTE, CP_MODES[cp > 1]):
@@ -196,17 +210,16 @@ class Planner:
                                              micro_batch=mb, recompute=recompute, schedule=schedule)
 
     def inference_layout(self, batch: int, new_tokens: int) -> Optional[Estimate]:
-        """Generation / evaluation: the fewest model-parallel ranks (tensor parallel first, it needs no
-        schedule) whose weights in the compute dtype and KV cache for `batch` sequences of seq_len +
-        `new_tokens` fit; the remaining devices replicate it (dp)."""
+        """Generation / evaluation: the fewest tensor-parallel ranks (inference places the model with tensor
+        parallelism only: speedllm.parallel.rules.inference_layout_errors) whose weights in the compute dtype and
+        KV cache for `batch` sequences of seq_len + `new_tokens` fit; the remaining devices replicate it (dp)."""
         m, p = self.p.model, self.p
         e = DTYPES[p.hardware.dtype].itemsize
         length = p.seq_len + new_tokens
-        options = sorted((tp * pp, pp, tp) for tp in divisors(p.world) for pp in divisors(p.world // tp))
-        for _, pp, tp in options:
-            layout = Layout(dp=p.world // (tp * pp), tp=tp, pp=pp, micro_batch=batch, fsdp=False)
-            if (m.num_attention_heads % tp or m.num_key_value_heads % tp or tp > p.hardware.devices_per_node
-                    or pp > m.num_hidden_layers):
+        for tp in divisors(p.world):
+            layout = Layout(dp=p.world // tp, tp=tp, micro_batch=batch, fsdp=False)
+            if layout_errors(m, tp=tp, pp=1, vpp=1, ep=1, cp=1, dp=layout.dp, schedule=layout.schedule) \
+                    or tp > p.hardware.devices_per_node:
                 continue
             split = self.split(layout)
             sp = max(self.rank_params(layout, split), key=lambda s: s.gathered)
@@ -262,7 +275,7 @@ def problem_from_config(cfg, world: int) -> Problem:
     return Problem(model=cfg.model, hardware=cfg.hardware, world=world, seq_len=cfg.train.seq_len,
                    global_batch=cfg.train.global_batch_size, loss_chunk=cfg.train.loss_chunk_size,
                    efficiency=cfg.plan.compute_efficiency, memory_margin=cfg.plan.memory_margin, optim=cfg.optim,
-                   allow_offload=cfg.plan.allow_offload, teacher=distill_teacher(cfg))
+                   allow_offload=cfg.plan.allow_offload, finetune=cfg.finetune.name, teacher=distill_teacher(cfg))
 
 
 def distill_teacher(cfg):

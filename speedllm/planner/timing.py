@@ -10,11 +10,14 @@ reductions overlap with compute and only their excess shows.
 """
 
 from dataclasses import dataclass
+from functools import lru_cache
+
+from omegaconf import OmegaConf
 
 from speedllm.hardware import DTYPES
 from speedllm.models.qwen3 import is_moe_layer
 from speedllm.planner.layout import Layout
-from speedllm.planner.memory import MASTER_BYTES, StageParams
+from speedllm.planner.memory import MASTER_BYTES, StageParams, config_key
 from speedllm.train.metrics import flops_per_token
 
 GEMM_HALF = 128  # rows / columns at which a matmul reaches half its best efficiency
@@ -70,18 +73,28 @@ def expert_gemm_efficiency(layout: Layout, m, seq_len: int, base: float) -> floa
     return base * rows / (rows + GEMM_HALF) * cols / (cols + GEMM_HALF)
 
 
-def num_moe_layers(m) -> int:
-    return sum(is_moe_layer(m, i) for i in range(m.num_hidden_layers))
+def per_token(m, seq_len: int) -> tuple:
+    """(training FLOPs per token, MoE layers) of model `m`: computed once per model and sequence length, the
+    search asks for them for every layout."""
+    return _per_token(config_key(m), seq_len)
+
+
+@lru_cache(maxsize=64)
+def _per_token(key: tuple, seq_len: int) -> tuple:
+    m = OmegaConf.create(dict(key))
+    return flops_per_token(m, seq_len), sum(is_moe_layer(m, i) for i in range(m.num_hidden_layers))
 
 
 def step_time(m, layout: Layout, hw, sp: StageParams, seq_len: int, global_batch: int, efficiency: float,
-              selective_bytes: float = 0.0, offloaded_per_layer: float = 0.0) -> StepTime:
+              selective_bytes: float = 0.0, offloaded_per_layer: float = 0.0, muon=None) -> StepTime:
     """Estimated seconds of one training step.
 
     Args:
         sp: the parameters of the busiest pipeline rank (FSDP traffic, optimizer).
         selective_bytes: activation bytes per layer and micro-batch that selective recompute rebuilds
             (memory-bound elementwise work).
+        muon: optim=muon's (Newton-Schulz dtype, ns_steps), else None: every rank gathers each of its Muon
+            matrices' updates in that dtype and runs the iteration on all of them (speedllm.train.muon).
     """
     t = StepTime()
     e = DTYPES[hw.dtype].itemsize
@@ -94,11 +107,11 @@ def step_time(m, layout: Layout, hw, sp: StageParams, seq_len: int, global_batch
     h = m.hidden_size
 
     rate = peak * gemm_efficiency(layout, m, seq_len, efficiency)
-    moe_layers = num_moe_layers(m)
+    flops, moe_layers = per_token(m, seq_len)
     expert_rate = peak * expert_gemm_efficiency(layout, m, seq_len, efficiency) if moe_layers else rate
     # training FLOPs per token of the routed experts' matmuls, part of flops_per_token
     expert = 6 * moe_layers * m.num_experts_per_tok * 3 * h * m.moe_intermediate_size
-    dense = flops_per_token(m, seq_len) - expert
+    dense = flops - expert
     t.compute = (dense / rate + expert / expert_rate) * tokens / world
     # memory-bound routing per MoE layer: the k rows of each token permuted into expert order, back, and
     # combined (3 passes, each a read and a write), forward and backward
@@ -146,6 +159,11 @@ def step_time(m, layout: Layout, hw, sp: StageParams, seq_len: int, global_batch
     t.offload = offload_time(layout, hw, sp, t, num_micro, layers, offloaded_per_layer)
     if layout.offload == "params":  # the update runs on the host, whose memory the node's devices share
         t.optimizer = sp.sharded * 7 * MASTER_BYTES / (hw.host_memory_bandwidth_gbps * 1e9 / hw.devices_per_node)
+    if muon is not None:
+        ns_dtype, ns_steps = muon
+        ns_peak = hw.peak_tflops.get(ns_dtype, hw.peak_tflops[hw.dtype]) * 1e12
+        t.optimizer += (sp.muon_gathered * DTYPES[ns_dtype].itemsize / link_bandwidth(hw, world // layout.pp)
+                        + ns_steps * sp.muon_flops / (ns_peak * efficiency))
     return t
 
 

@@ -21,11 +21,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchao.quantization.utils import (
-    get_groupwise_affine_qparams,
-    groupwise_affine_dequantize_tensor_from_qparams,
-    groupwise_affine_quantize_tensor_from_qparams,
-)
 
 from speedllm.native import c_function
 
@@ -36,6 +31,8 @@ UNIT = 32  # input features per 16 packed bytes (int4_kernel.c)
 
 def quantize_int4(weight_OD: torch.Tensor, group_size: int):
     """(q_OD int32 in 0..15, scales_OG, zeros_OG) of a 2-D weight, by torchao's groupwise affine rule."""
+    from torchao.quantization.utils import get_groupwise_affine_qparams, groupwise_affine_quantize_tensor_from_qparams
+
     scales, zeros = get_groupwise_affine_qparams(weight_OD.float(), 4, group_size, dtype=torch.float32)
     q = groupwise_affine_quantize_tensor_from_qparams(weight_OD.float(), scales, zeros, 4, group_size)
     return q.to(torch.int32), scales, zeros
@@ -64,6 +61,8 @@ def kernel():
 
 
 def int4_wo_mm_reference(x_ND, packed, scales_OG, zeros_OG, group_size: int) -> torch.Tensor:
+    from torchao.quantization.utils import groupwise_affine_dequantize_tensor_from_qparams
+
     w_OD = groupwise_affine_dequantize_tensor_from_qparams(unpack_int4(packed), scales_OG, zeros_OG, 4, group_size)
     return F.linear(x_ND, w_OD.to(x_ND.dtype))
 

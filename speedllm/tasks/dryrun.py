@@ -101,7 +101,8 @@ def build_rank(cfg, rank: int, world: int) -> RankReport:
         for p in group["params"]:
             local = p.to_local() if isinstance(p, DTensor) else p
             report.grads += local.numel() * local.element_size()  # FSDP2 reduce-scatters to the param's shard
-            report.optimizer += state_numel(cfg.optim, tuple(local.shape)) * local.element_size()
+            report.optimizer += (state_numel(cfg.optim, tuple(local.shape), group.get("muon", False))
+                                 * local.element_size())
     if cfg.finetune.name == "full":
         report.planned = planned_bytes(cfg, coords["pp"][0])
     return report

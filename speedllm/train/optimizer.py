@@ -136,9 +136,16 @@ def build_optimizer(model: nn.Module, optim) -> torch.optim.Optimizer:
     if "fused" in args and args["fused"] is None:
         args["fused"] = fused_adamw(device_type)
         args["foreach"] = not args["fused"]
-    if "ns_dtype" in args and args["ns_dtype"] is None:
-        args["ns_dtype"] = "float32" if device_type == "cpu" else "bfloat16"
+    if "ns_dtype" in args:
+        args["ns_dtype"] = ns_dtype(optim, device_type)
     return instantiate({**args, "_convert_": "all"})(groups)
+
+
+def ns_dtype(optim, device_type: str) -> str:
+    """optim=muon's Newton-Schulz dtype: optim.ns_dtype, or (null) torch's bfloat16, float32 on CPUs."""
+    if optim.ns_dtype is not None:
+        return optim.ns_dtype
+    return "float32" if device_type == "cpu" else "bfloat16"
 
 
 def check_resumable(checkpoint, optim) -> None:
@@ -156,11 +163,17 @@ def check_resumable(checkpoint, optim) -> None:
                         "start from its weights with task=convert convert.to=hf and checkpoint.load_hf")
 
 
-def state_numel(optim, shape) -> int:
+def state_numel(optim, shape, muon: bool = False) -> int:
     """Elements of the per-parameter state tensors `optim` keeps for a parameter (or shard) of `shape`;
-    scalar step counters left out. The planner's optimizer bytes are these times 4 (fp32)."""
+    scalar step counters left out. The planner's optimizer bytes are these times 4 (fp32).
+
+    Args:
+        muon: optim=muon updates this parameter with Muon (one momentum buffer), not AdamW (muon_param_groups).
+    """
     numel = math.prod(shape)
     name = optim._target_.rsplit(".", 1)[-1]
+    if name == "MuonAdamW":
+        return numel if muon else 2 * numel
     if name in ("AdamW", "Adam"):
         return 2 * numel
     if name == "SGD":
@@ -169,5 +182,5 @@ def state_numel(optim, shape) -> int:
         if len(shape) < 2:
             return numel
         return math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]
-    raise UserError(f"optim._target_={optim._target_}: the planner knows the state size of AdamW, Adam, SGD and "
-                    "Adafactor; plan with one of those")
+    raise UserError(f"optim._target_={optim._target_}: the planner knows the state size of AdamW, Adam, SGD, "
+                    "Adafactor and Muon; plan with one of those")

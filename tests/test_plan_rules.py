@@ -1,0 +1,166 @@
+"""The planner and validation share one rule set: `parallel=auto` builds exactly the layout the planner ranked
+first, and every layout `task=plan` ranks passes validation when set explicitly (speedllm.parallel.rules)."""
+
+import pytest
+from omegaconf import OmegaConf
+
+from speedllm.config import compose_config
+from speedllm.config.resolve import choose_layout
+from speedllm.planner.layout import layout_from_config, uneven
+from speedllm.planner.search import Planner, problem_from_config
+
+pytestmark = pytest.mark.unit
+
+
+def auto(*overrides):
+    """The config `parallel=auto <overrides>` resolves to (in process: choose_layout), and the planner's ranking."""
+    cfg = compose_config("parallel=auto", *overrides)
+    OmegaConf.set_struct(cfg, False)
+    planner = Planner(problem_from_config(cfg, cfg.launcher.nnodes * cfg.launcher.nproc_per_node))
+    result = planner.search()
+    choose_layout(cfg)
+    return cfg, planner, result
+
+
+def test_parallel_auto_builds_the_layout_it_announces_cp_mode_included(capsys):
+    cfg, planner, result = auto("task=dryrun", "model=qwen3_8b", "hardware=h100", "launcher.nproc_per_node=8",
+                                "train.seq_len=32768")
+    first = result.best.layout
+    announced = capsys.readouterr().out
+    assert f"parallel=auto: {first.short()} on 8 device(s)" in announced
+    assert first.cp > 1 and first.cp_mode != "allgather"  # the case that was built as allgather
+    assert layout_from_config(cfg.parallel, cfg.train) == first
+    assert cfg.parallel.pp_layers == uneven(planner.split(first))
+
+
+# (model, hardware, devices, train.seq_len, train.global_batch_size, optim): dense and MoE, 0.6B to 235B, long
+# context, a device too small without offload, Muon
+GRID = [
+    ("qwen3_0.6b", "h100", 8, 4096, 64, "adamw"),
+    ("qwen3_8b", "h100", 8, 32768, 16, "adamw"),
+    ("qwen3_8b", "h100", 1, 4096, 8, "adamw"),
+    ("qwen3_8b", "npu_a2", 16, 4096, 128, "muon"),
+    ("qwen3_30b_a3b", "npu_a2", 16, 4096, 128, "adamw"),
+    ("qwen3_235b_a22b", "h200", 32, 4096, 64, "adamw"),
+]
+
+
+def test_every_ranked_layout_passes_validation_and_auto_builds_the_first_row():
+    """For each grid point: every layout the plan ranks (all that fit, not only the printed rows), set explicitly
+    as parallel=auto would write it, passes validation's layout rules on task=pretrain; parallel=auto builds the
+    first row field by field."""
+    from speedllm.config.validate import check_world, validate_layout
+    from speedllm.planner import device_count
+    from speedllm.planner.layout import apply_layout
+
+    checked = 0
+    for model, hardware, world, seq_len, batch, optim in GRID:
+        cfg = compose_config("task=pretrain", "parallel=auto", "run_dir=/unused", f"model={model}",
+                             f"hardware={hardware}", f"launcher.nproc_per_node={world}", f"train.seq_len={seq_len}",
+                             f"train.global_batch_size={batch}", f"optim={optim}")
+        explicit = OmegaConf.to_object(cfg)  # plain dataclasses: the same rules, without OmegaConf's per-key cost
+        planner = Planner(problem_from_config(cfg, device_count(cfg)))  # what task=plan ranks
+        ranked = planner.search().fitting
+        assert ranked, (model, hardware, world)
+        for est in ranked:
+            apply_layout(est.layout, explicit.parallel, explicit.train, uneven(planner.split(est.layout)))
+            validate_layout(explicit, world)
+            check_world(explicit, world)
+        checked += len(ranked)
+        OmegaConf.set_struct(cfg, False)
+        choose_layout(cfg)
+        assert layout_from_config(cfg.parallel, cfg.train) == ranked[0].layout, (model, hardware, world)
+        assert cfg.parallel.pp_layers == uneven(planner.split(ranked[0].layout))
+    print(f"{checked} ranked layouts validated over {len(GRID)} plans")
+    assert checked > 1000
+
+
+def test_plan_and_launch_refuse_a_sequence_past_the_positions_with_one_message():
+    from speedllm.config.resolve import resolve
+    from speedllm.errors import UserError
+
+    said = set()
+    for overrides in (["task=plan"], ["task=plan", "parallel=auto"], ["task=pretrain", "parallel=auto"],
+                      ["task=pretrain", "parallel=tp8"]):
+        cfg = compose_config(*overrides, "model=qwen3_8b", "hardware=h100", "launcher.nproc_per_node=8",
+                             "train.seq_len=65536", "run_dir=/unused")
+        with pytest.raises(UserError) as e:
+            resolve(cfg)
+        said.add(str(e.value))
+    assert said == {"train.seq_len=65536 exceeds max_position_embeddings=40960 of model qwen3_8b; lower "
+                    "train.seq_len, or extend the model with model.rope_scaling (e.g. yarn) and a larger "
+                    "model.max_position_embeddings"}
+
+
+def test_rejection_reasons_name_keys_not_internal_lists():
+    """64 devices and a 28-layer model: pipelines longer than the model are not searched (parallel.pp_layers
+    could not express a stage without a layer), and no reason prints a stage list."""
+    planner = Planner(problem_from_config(compose_config("model=qwen3_0.6b", "hardware=h100",
+                                                         "launcher.nproc_per_node=64", "train.seq_len=4096",
+                                                         "train.global_batch_size=256"), 64))
+    result = planner.search()
+    assert result.invalid and not [reason for reason in result.invalid if "[" in reason]
+    assert all(e.layout.pp * e.layout.vpp <= 28 for e in result.fitting + result.too_big)
+
+
+def test_muon_with_parameter_offload_is_refused_and_the_plan_never_picks_it():
+    from speedllm.config.validate import check_parallel
+    from speedllm.errors import UserError
+
+    with pytest.raises(UserError, match=r"^parallel.offload=params with optim=muon: the update would gather every "
+                                        "hidden matrix and run its Newton-Schulz iteration on the host"):
+        check_parallel(compose_config("optim=muon", "parallel.offload=params"))
+    cfg = compose_config("model=qwen3_8b", "hardware=h100", "launcher.nproc_per_node=1", "train.seq_len=4096",
+                         "train.global_batch_size=8", "optim=muon")
+    result = Planner(problem_from_config(cfg, 1)).search()
+    assert result.best.layout.offload != "none"  # 8B does not fit one H100 without offload
+    assert {e.layout.offload for e in result.fitting + result.too_big} <= {"none", "optimizer"}
+
+
+def test_plan_counts_muons_one_buffer_per_matrix_and_its_newton_schulz():
+    """optim=muon keeps one momentum buffer per hidden matrix and AdamW's two moments for the rest
+    (muon_param_groups of the real model); every rank runs Newton-Schulz on every matrix it holds."""
+    import math
+
+    import torch
+
+    from speedllm.models.qwen3 import Qwen3
+    from speedllm.planner.layout import Layout
+    from speedllm.planner.memory import MASTER_BYTES
+    from speedllm.train.optimizer import muon_param_groups
+
+    base = ("model=qwen3_0.6b", "hardware=h100", "launcher.nproc_per_node=1", "train.seq_len=4096",
+            "train.global_batch_size=8")
+    cfg = compose_config(*base, "optim=muon")
+    with torch.device("meta"):
+        groups = muon_param_groups(Qwen3(cfg.model), False)
+    muon = [p.shape for g in groups if g["muon"] for p in g["params"]]
+    numel = sum(p.numel() for g in groups for p in g["params"])
+    muon_numel = sum(math.prod(s) for s in muon)
+    flops = sum(4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3 for s in muon)
+    layout = Layout(micro_batch=1, recompute="full")
+    with_muon = Planner(problem_from_config(cfg, 1)).estimate(layout)
+    with_adamw = Planner(problem_from_config(compose_config(*base), 1)).estimate(layout)
+    assert with_muon.memory.optimizer == (2 * numel - muon_numel) * MASTER_BYTES
+    assert with_adamw.memory.optimizer == 2 * numel * MASTER_BYTES
+    hw = cfg.hardware  # one device: nothing to gather; 5 bfloat16 Newton-Schulz iterations
+    extra = with_muon.time.optimizer - with_adamw.time.optimizer
+    assert extra == pytest.approx(cfg.optim.ns_steps * flops / (hw.peak_tflops.bfloat16 * 1e12
+                                                                 * cfg.plan.compute_efficiency))
+
+
+def test_dry_run_of_muon_holds_the_planned_bytes():
+    import torch.distributed as dist
+
+    from speedllm.config.schema import typed
+    from speedllm.tasks.dryrun import build_rank
+
+    cfg = compose_config("task=dryrun", "hardware=cpu", "model=qwen3_moe_tiny", "parallel=ep2", "parallel.dp=2",
+                         "launcher.nproc_per_node=2", "optim=muon", "run_dir=/unused")
+    try:
+        report = build_rank(typed(cfg), 1, 2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert (report.params, report.grads, report.optimizer) == report.planned
+    assert report.optimizer < 2 * report.params  # one buffer for Muon's matrices
