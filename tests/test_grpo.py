@@ -39,7 +39,8 @@ def trl_trainer(path, loss_type: str, importance: str, beta: float):
 
     args = GRPOConfig(output_dir=str(path / "out"), per_device_train_batch_size=B, num_generations=GROUP,
                       max_completion_length=C, loss_type=loss_type, importance_sampling_level=importance, beta=beta,
-                      epsilon=0.2, epsilon_high=0.28, temperature=TEMPERATURE, report_to="none", use_cpu=True, bf16=False)
+                      epsilon=0.2, epsilon_high=0.28, temperature=TEMPERATURE, report_to="none", use_cpu=True,
+                      bf16=False)
     trainer = GRPOTrainer(model=str(path), reward_funcs=lambda prompts, completions, **kw: [0.0] * len(prompts),
                           args=args, train_dataset=Dataset.from_dict({"prompt": ["a"] * B}),
                           processing_class=AutoTokenizer.from_pretrained(str(path)))
@@ -58,7 +59,8 @@ def crafted_inputs(model):
     ro = Rollout(tokens=torch.cat([prompt_ids, completion_ids], 1),
                  attention_mask=torch.cat([torch.ones(B, P), completion_mask], 1).long(),
                  position_ids=torch.arange(P + C).expand(B, -1), prompt_lens=torch.full((B,), P),
-                 completion_mask=completion_mask, logprobs=torch.zeros(B, C), truncated=torch.zeros(B, dtype=torch.bool))
+                 completion_mask=completion_mask, logprobs=torch.zeros(B, C),
+                 truncated=torch.zeros(B, dtype=torch.bool))
     with torch.no_grad():
         logprobs, _ = completion_logprobs(model, ro, TEMPERATURE)
     old = (logprobs + 0.3 * torch.randn(B, C, generator=gen)) * completion_mask

@@ -56,7 +56,8 @@ def test_metrics_and_matched_logprobs(straight):
     for r in records:
         assert r["rl/logprob_diff"] <= 1e-5
         assert {"rl/reward", "rl/reward/vowels", "rl/reward/math_answer", "rl/kl", "rl/clip_frac", "rl/entropy",
-                "rl/response_len", "rl/zero_adv_groups", "rl/rollout_tokens_per_s", "rl/update_tokens_per_s"} <= r.keys()
+                "rl/response_len", "rl/zero_adv_groups", "rl/rollout_tokens_per_s",
+                "rl/update_tokens_per_s"} <= r.keys()
         assert r["rl/reward"] == pytest.approx(r["rl/reward/vowels"] + 0.5 * r["rl/reward/math_answer"], abs=1e-6)
         assert 1 <= r["rl/response_len"] <= r["rl/response_len_max"] <= 6
     assert all(r["rl/kl"] >= 0 for r in records) and records[-1]["rl/kl"] > 0  # the policy leaves the reference
@@ -103,7 +104,8 @@ def test_bad_prompts_and_settings_exit_2_before_launch(tmp_path, launch):
         (["rl.group_size=1"], "rl.group_size=1: every advantage would be zero"),
         ([f"data.input={no_prompt}"], f"{no_prompt}:2: no `prompt` field — task=grpo records need prompt"),
         ([f"data.input={long}", "model.max_position_embeddings=64"],
-         f"{long}:1: the prompt is 80 tokens; with rl.max_new_tokens=6 it needs 86 positions, more than the model's 64"),
+         f"{long}:1: the prompt is 80 tokens; with rl.max_new_tokens=6 it needs 86 positions, more than the "
+         "model's 64"),
         (["rl.rewards=[{_target_: nowhere.fn}]"], "rl.rewards[0]._target_=nowhere.fn cannot be imported"),
         (["parallel=fsdp2", "rl.prompts_per_step=3"], "rl.prompts_per_step=3 must be divisible by parallel.dp=2"),
     ]

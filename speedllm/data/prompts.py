@@ -61,7 +61,8 @@ def load_prompts(inputs, tokenizer, max_prompt_tokens: int, max_new_tokens: int)
             if len(tokens) > max_prompt_tokens:
                 raise UserError(f"{where}: the prompt is {len(tokens)} tokens; with rl.max_new_tokens="
                                 f"{max_new_tokens} it needs {len(tokens) + max_new_tokens} positions, more than the "
-                                f"model's {max_prompt_tokens + max_new_tokens} — shorten it or lower rl.max_new_tokens")
+                                f"model's {max_prompt_tokens + max_new_tokens} — shorten it or lower "
+                                "rl.max_new_tokens")
             ids.append(tokens)
             prompts.append(prompt)
             rows.append({k: v for k, v in record.items() if k != "prompt"})

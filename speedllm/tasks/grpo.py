@@ -201,7 +201,6 @@ def rl_update(pm, ro: Rollout, advantages_N, ref_NC, optimizer, cfg, dp_group, w
     """rl.ppo_epochs x rl.mini_batches optimizer steps on this rank's rows; returns the step's metrics."""
     rl, model = cfg.rl, pm.module
     N = ro.tokens.shape[0]
-    size = N // rl.mini_batches
     temperature = float(policy_temperature(Sampling(temperature=float(rl.temperature))))
     totals = torch.zeros(5)  # loss, KL sum, clipped tokens, tokens, entropy sum
     changed, grad_norms = torch.zeros((), dtype=torch.long), []
@@ -211,7 +210,7 @@ def rl_update(pm, ro: Rollout, advantages_N, ref_NC, optimizer, cfg, dp_group, w
             # every mini_batches-th row: the mini-batch is the same set of rows whatever the data-parallel split
             rows = torch.arange(m, N, rl.mini_batches)
             part = ro.select(rows)
-            counts = all_reduce(torch.tensor([float(size), float(part.completion_mask.sum())]), dp_group)
+            counts = all_reduce(torch.tensor([float(len(rows)), float(part.completion_mask.sum())]), dp_group)
             routes = replay_routes(model, part.routes, impose=replay) if part.routes is not None \
                 else contextlib.nullcontext([])
             with routes as tapes:
@@ -257,7 +256,7 @@ def reference_logprobs(pm, reference, ro: Rollout, cfg, autocast):
 def run(cfg, rt: Runtime) -> None:
     """task=grpo: train the policy on the prompts of data.input with the rewards of rl.rewards."""
     rl, t, ck = cfg.rl, cfg.train, cfg.checkpoint
-    _, dp_size, dp_group = rt.dims.coords("dp")
+    _, _, dp_group = rt.dims.coords("dp")
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.trust_remote_code)
     data = load_prompts(cfg.data.input, tokenizer, max_positions(cfg.model) - rl.max_new_tokens, rl.max_new_tokens)
     rewards = build_rewards(rl)

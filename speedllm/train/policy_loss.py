@@ -61,6 +61,7 @@ def policy_loss(logprobs_NC, old_NC, ref_NC, advantages_N, mask_NC, rl, num_rows
     else:  # constant
         loss = (token_loss_NC * mask_NC).sum() / (num_rows * rl.max_new_tokens)
     with torch.no_grad():
-        clipped_NC = ((ratio < 1 - rl.clip_low) & (advantages_N1 < 0)) | ((ratio > 1 + rl.clip_high) & (advantages_N1 > 0))
+        clipped_NC = ((ratio < 1 - rl.clip_low) & (advantages_N1 < 0)) | \
+            ((ratio > 1 + rl.clip_high) & (advantages_N1 > 0))
         clipped = (clipped_NC.float().expand_as(mask_NC) * mask_NC).sum()
     return loss, torch.stack([kl_sum, clipped, mask_NC.sum()])
