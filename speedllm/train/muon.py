@@ -22,7 +22,6 @@ decoupled weight decay), written here around torch's `_adjust_lr` for three thin
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.optim._muon import _adjust_lr
 from torch.optim.adamw import adamw
 
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -84,6 +83,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        from torch.optim._muon import _adjust_lr  # private: imported where Muon runs, not by validation
+
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -92,12 +93,12 @@ class MuonAdamW(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if group["muon"]:
                 for p in params:
-                    self._muon_update(p, group)
+                    self._muon_update(p, group, _adjust_lr)
             elif params:
                 self._adamw_update(params, group)
         return loss
 
-    def _muon_update(self, p: torch.Tensor, group: dict) -> None:
+    def _muon_update(self, p: torch.Tensor, group: dict, adjust_lr) -> None:
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
@@ -113,7 +114,7 @@ class MuonAdamW(torch.optim.Optimizer):
             ortho = orthogonalize(full, *ns)
         lr = group["lr"]
         p.mul_(1 - lr * group["weight_decay"])
-        p.add_(_shard_like(ortho, p), alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape[-2:]))
+        p.add_(_shard_like(ortho, p), alpha=-adjust_lr(lr, group["adjust_lr_fn"], p.shape[-2:]))
 
     def _adamw_update(self, params: list, group: dict) -> None:
         """torch.optim.AdamW's step (its functional form) with AdamW's state names, so the state reads like its."""
