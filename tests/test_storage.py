@@ -32,6 +32,7 @@ def wait_for(proc: subprocess.Popen, ready, what: str) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_s3_run_killed_and_resumed_logs_the_local_losses_bit_for_bit(tmp_path, launch, launch_argv, s3):
     """checkpoint.dir=s3://...: SIGKILLed once its first checkpoint is up, resumed with checkpoint.load=auto (with
     async saves); every step's loss equals the uninterrupted local run's, keep=2 pruned the remote steps, and the
@@ -66,6 +67,7 @@ def test_s3_run_killed_and_resumed_logs_the_local_losses_bit_for_bit(tmp_path, l
     assert fs.cat(f"{root}/config.yaml").decode() == (tmp_path / "s3" / "config.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_an_upload_failing_mid_run_stops_it_in_one_line_and_latest_stays(tmp_path, launch, launch_argv, s3):
     """The server stops once the first checkpoint is up: the next save fails (tried 3 times), the run stops with
     one line, and `latest` (what checkpoint.load=auto resumes from) names the last complete checkpoint."""
@@ -95,6 +97,7 @@ def test_an_upload_failing_mid_run_stops_it_in_one_line_and_latest_stays(tmp_pat
 LAYOUT = [*TINY, "train.global_batch_size=8", "train.micro_batch_size=2", "train.steps=4"]
 
 
+@pytest.mark.slow
 def test_saved_under_fsdp4_resumed_under_fsdp2_and_dp2_in_the_exact_order(tmp_path, launch, s3):
     """4 ranks save at step 2 (to s3://); 2-rank fsdp2 and dp2 jobs resume from it: steps 3-4 consume the global
     samples the uninterrupted fsdp2 run consumed there (its logged consumed_samples: 24, 32), with its losses
