@@ -50,15 +50,18 @@ def main(argv=None) -> None:
     if args.s3:
         roots["async_s3"] = f"s3://{s3_bucket()}/ckpt-{os.getpid()}"
     checkpointers = {mode: Checkpointer(str(roots[mode]), keep=1, async_save=mode != "sync") for mode in results}
-    for step in range(1, args.repeat + 1):
-        for mode, checkpointer in checkpointers.items():
-            start = time.perf_counter()
-            checkpointer.save(step, model, optimizer, {"step": step}, OmegaConf.create({}))
-            stall = time.perf_counter() - start
-            checkpointer.wait()
-            results[mode].append((stall, time.perf_counter() - start))
-    for root in roots.values():
-        storage.remove(root)
+    try:
+        for step in range(1, args.repeat + 1):
+            for mode, checkpointer in checkpointers.items():
+                start = time.perf_counter()
+                checkpointer.save(step, model, optimizer, {"step": step}, OmegaConf.create({}))
+                stall = time.perf_counter() - start
+                checkpointer.wait()
+                results[mode].append((stall, time.perf_counter() - start))
+    finally:
+        for root in roots.values():
+            if storage.exists(root):
+                storage.remove(root)
     for mode, runs in results.items():
         stalls, totals = [s for s, _ in runs], [t for _, t in runs]
         print(f"{mode:5s} stall s: {' '.join(f'{s:.2f}' for s in stalls)}  (min {min(stalls):.2f})   "

@@ -216,9 +216,10 @@ def _trained_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
     return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd, options
 
 
-def _start(root, step: int) -> tuple:
+def _start(root, step: int, group=None) -> tuple:
     """(final directory, directory written) of checkpoint `step`, the second made fresh by rank 0: a temporary one
-    renamed when complete, or on object storage (no rename) the final one, which `latest` marks complete."""
+    renamed when complete, or on object storage (no rename) the final one, which `latest` marks complete. The
+    ranks then meet in a barrier of `group` (None: the default group)."""
     final = storage.join(root, step_dir_name(step))
     remote = storage.is_url(root)
     tmp = final if remote else Path(root) / f".{final.name}.tmp"
@@ -236,7 +237,8 @@ def _start(root, step: int) -> tuple:
 
     if _rank() == 0:
         _with_retries(f"preparing {final}", attempt, every_rank=False)
-    _barrier()
+    if dist.is_initialized():
+        dist.barrier(group=group)
     return final, tmp
 
 
@@ -360,14 +362,14 @@ class Checkpointer:
         self.wait()
         if not self.async_save:
             return save_checkpoint(self.root, step, model, optimizer, extra, cfg, self.keep, self.group)
-        final, tmp = _start(self.root, step)
         model_sd, optim_sd, _ = _trained_state(model, optimizer)
         staged = self.stager.stage({"model": model_sd, "optim": optim_sd})
-        self.pending = self.executor.submit(self._finish, staged, _small(extra, cfg), tmp, final,
+        self.pending = self.executor.submit(self._finish, step, staged, _small(extra, cfg),
                                             getattr(cfg, "run_dir", "."))
-        return final
+        return storage.join(self.root, step_dir_name(step))
 
-    def _finish(self, staged: Dict[str, Any], small: tuple, tmp, final, run_dir: str) -> None:
+    def _finish(self, step: int, staged: Dict[str, Any], small: tuple, run_dir: str) -> None:
+        final, tmp = _start(self.root, step, self.group)  # here too: on object storage that is a few requests
         _write(tmp, staged, *small, self.group)
         if self.group is not None:
             dist.barrier(group=self.group)  # every rank's files are written
