@@ -45,8 +45,8 @@ def assert_same(ours, single):
     assert len(ours) == len(single) == 3
     for a, b in zip(ours, single):
         assert a["rl/logprob_diff"] <= 1e-5 and b["rl/logprob_diff"] <= 1e-5
-        for key in SAME:
-            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (key, a["step"], a[key], b[key])
+        for key in SAME:  # the loss sums advantage x ratio terms of size ~1 that nearly cancel: 1e-6 absolute
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (key, a["step"], a[key], b[key])
     assert single[-1]["loss"] != 0 and single[-1]["rl/kl"] > 0  # the runs compared did learn something
 
 

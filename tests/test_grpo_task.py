@@ -104,7 +104,7 @@ def test_bad_prompts_and_settings_exit_2_before_launch(tmp_path, launch):
         (["rl.group_size=1"], "rl.group_size=1: every advantage would be zero"),
         ([f"data.input={no_prompt}"], f"{no_prompt}:2: no `prompt` field — task=grpo records need prompt"),
         ([f"data.input={long}", "model.max_position_embeddings=64"],
-         f"{long}:1: the prompt is 80 tokens; with rl.max_new_tokens=6 it needs 86 positions, more than the "
+         f"{long}:1: the prompt is 82 tokens; with rl.max_new_tokens=6 it needs 88 positions, more than the "
          "model's 64"),
         (["rl.rewards=[{_target_: nowhere.fn}]"], "rl.rewards[0]._target_=nowhere.fn cannot be imported"),
         (["parallel=fsdp2", "rl.prompts_per_step=3"], "rl.prompts_per_step=3 must be divisible by parallel.dp=2"),
