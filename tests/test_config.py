@@ -92,7 +92,7 @@ RULES = [
      "parallel.pp_schedule=DualPipeV over 4 stages needs at least 4 micro-batches per step, but "
      "train.global_batch_size=4 / (train.micro_batch_size=4 x parallel.dp=1) gives 1; raise train.global_batch_size "
      "to 16, lower train.micro_batch_size, or set parallel.pp_microbatches=4"),
-    (["parallel=pp2", "parallel.pp_schedule=DualPipeV", "task=doctor"],
+    (["model=qwen3_0.6b", "parallel=pp2", "parallel.vpp=7", "parallel.pp_schedule=DualPipeV", "task=doctor"],
      "parallel.pp_schedule=DualPipeV places two stages per rank in a V; set parallel.vpp=2"),
     (["parallel.offload=disk", "task=doctor"], "parallel.offload=disk is not one of none, optimizer, params; pick one "
      "of them"),

@@ -81,7 +81,7 @@ def tiny(tiny_model_cfg, seed=0, **overrides):
 
 @pytest.mark.parametrize("recompute", ["none", "full", "selective"])
 def test_activation_offload_keeps_saved_tensors_on_the_host_and_gradients_exact(recompute, tiny_model_cfg):
-    from speedllm.parallel.offload import _Saved, apply_activation_offload
+    from speedllm.parallel.offload import MIN_BYTES, _Saved, apply_activation_offload
     from speedllm.parallel.parallelize import apply_recompute
 
     tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -92,9 +92,12 @@ def test_activation_offload_keeps_saved_tensors_on_the_host_and_gradients_exact(
             apply_recompute(model, recompute)
         hooks = apply_activation_offload(model) if offload else None
         ce_sum, aux = model(tokens, labels=tokens)
-        if offload:  # the last layer's saved tensors are held by the hooks, as host copies
+        if offload:  # the last layer's saved activations are held by the hooks (on CPU the host copy is the
+            # tensor itself): activations of at least MIN_BYTES, never a weight
             held = list(hooks.last.saved)
+            weights = {p.data_ptr() for p in model.parameters()}
             assert held and all(isinstance(s, _Saved) and s.host.device.type == "cpu" for s in held)
+            assert all(s.host.nbytes >= MIN_BYTES and s.host.data_ptr() not in weights for s in held)
         ce_sum.backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
     assert grads[0].keys() == grads[1].keys()

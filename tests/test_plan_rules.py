@@ -164,3 +164,15 @@ def test_dry_run_of_muon_holds_the_planned_bytes():
             dist.destroy_process_group()
     assert (report.params, report.grads, report.optimizer) == report.planned
     assert report.optimizer < 2 * report.params  # one buffer for Muon's matrices
+
+
+def test_dualpipev_sets_its_own_vpp_and_says_it_runs_without_overlap(capsys):
+    from speedllm.config.resolve import resolve_layout
+    from speedllm.config.validate import check_parallel
+
+    cfg = compose_config("model=qwen3_0.6b", "parallel=pp2", "parallel.pp_schedule=DualPipeV", "task=doctor")
+    resolve_layout(cfg)
+    assert (cfg.parallel.pp, cfg.parallel.vpp) == (2, 2)
+    check_parallel(cfg)
+    assert "DualPipeV: torch's ScheduleDualPipeV without an overlap function runs each paired forward and " \
+           "backward one after the other" in capsys.readouterr().out

@@ -38,7 +38,7 @@ def test_qlora_base_is_nf4_and_trains_like_lora(tmp_path):
                 # the same NF4 as torchao's own quantization of the fp32 weight LoRA's run starts from
                 assert torch.equal(linear.weight.get_original_weight(), to_nf4(full[name]).get_original_weight())
         losses[mode] = steps(pm, cfg, 3)
-    assert losses["qlora"][-1] < losses["qlora"][0]
+    assert losses["qlora"][-1] < losses["qlora"][0] and len(losses["qlora"]) == len(losses["lora"]) == 3
     for a, b in zip(losses["qlora"], losses["lora"]):
         assert a == pytest.approx(b, rel=0.02)
 
@@ -89,6 +89,7 @@ def test_qlora_under_fsdp2_follows_the_single_process_run(launch, save_tiny_hf, 
         records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
         losses[layout] = [r["loss"] for r in records if "loss" in r]
     assert len(losses["single"]) == 5 and losses["single"][-1] < losses["single"][0]
+    assert len(losses["fsdp2"]) == len(losses["single"])
     for a, b in zip(losses["fsdp2"], losses["single"]):
         assert a == pytest.approx(b, rel=1e-4)
 

@@ -19,6 +19,7 @@ from speedllm.checkpoint.dcp import read_saved_config, resolve_load
 from speedllm.config.validate import validate_values
 from speedllm.errors import UserError
 from speedllm.hardware import detect, load_profile, resolve_dtype
+from speedllm.parallel.rules import V_SCHEDULES
 from speedllm.runtime import under_torchrun
 
 
@@ -97,6 +98,11 @@ def resolve_layout(cfg: DictConfig) -> tuple[int, int]:
     p, launcher = cfg.parallel, cfg.launcher
     if p.name == "auto":
         choose_layout(cfg)
+    if p.pp_schedule in V_SCHEDULES and p.pp > 1 and p.vpp == 1:
+        p.vpp = 2  # a V schedule places two stages per pipeline rank: the only vpp it runs
+    if p.pp_schedule == "DualPipeV" and p.pp > 1:
+        print("parallel.pp_schedule=DualPipeV: torch's ScheduleDualPipeV without an overlap function runs each paired "
+              "forward and backward one after the other (no compute/communication overlap); costed so by task=plan")
     model_parallel = p.tp * p.pp * p.cp
     if under_torchrun():
         world, nproc = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])

@@ -6,7 +6,10 @@ are ring-based: an all-gather or reduce-scatter moves (k-1)/k of the full tensor
 all-reduce twice that, an all-to-all (k-1)/k of what a rank sends. A group is on the intra-node link when all
 its ranks fit on one node (mesh axes, outermost first: pp, dp, cp, tp), else on the inter-node link.
 Tensor/context/expert-parallel and pipeline transfers sit on the critical path; FSDP's gathers and gradient
-reductions overlap with compute and only their excess shows.
+reductions overlap with compute and only their excess shows. Pipeline schedules are costed by their bubble alone,
+with no credit for overlapping a forward with a backward: parallel.pp_schedule=DualPipeV runs torch's
+ScheduleDualPipeV without an overlap function, so its paired forward and backward run one after the other and it
+costs what a two-stage-per-rank interleaved schedule costs.
 """
 
 from dataclasses import dataclass

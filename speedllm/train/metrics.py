@@ -99,7 +99,8 @@ def tensorboard_tag(prefix: str, name: str) -> str:
 
 
 class MetricsLogger:
-    """Rank 0's sinks: `metrics.jsonl`, TensorBoard event files and a console progress bar with ETA.
+    """Rank 0's sinks: `metrics.jsonl`, TensorBoard event files and a console progress bar with ETA (on a
+    terminal only: redirected, every redraw would be a line of the log; the `[train] step` lines carry the figures).
 
     Construct it on every rank; only the main rank writes anything.
     """
@@ -120,7 +121,7 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(log_dir=str(run_path / "tensorboard"))
-        if progress_bar:
+        if progress_bar and sys.stderr.isatty():  # a file, CI or SLURM log gets the periodic lines only
             from tqdm import tqdm
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                             dynamic_ncols=True, file=sys.stderr)
