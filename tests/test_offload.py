@@ -1,13 +1,12 @@
 """The levers for jobs that do not fit: parallel.offload, train.activation_offload and the DualPipeV schedule.
 
 Through the launcher's steps on CPU/gloo (test_parallel's models, run settings and run_all: the 2-rank runs on one
-set of ranks): 5 steps under fsdp2 with
-parallel.offload=params, with parallel.offload=optimizer and with train.activation_offload=true (also under full
-recompute), and under pp2 with DualPipeV (dense, and the MoE model of test_moe_parallel whose load-balancing
-statistics travel between stages), each equal the same layout without the lever (the single process for
-DualPipeV) within 1e-5 relative (losses) and 1e-4 (parameters); resuming each from its step-5 checkpoint gives
-its uninterrupted run's step-6 loss bit for bit. In-process: the hooks and the host-state update give the plain
-run's numbers bit for bit, and FSDP2 is built with its CPU offload policy.
+set of ranks): 5 steps under fsdp2 with parallel.offload=params, with parallel.offload=optimizer and with
+train.activation_offload=true (also under full recompute), and under pp2 with DualPipeV (dense, and the MoE model of
+test_moe_parallel whose load-balancing statistics travel between stages), each equal the same layout without the
+lever (the single process for DualPipeV) within 1e-5 relative (losses) and 1e-4 (parameters); resuming each from its
+step-5 checkpoint gives its uninterrupted run's step-6 loss bit for bit. In-process: the hooks and the host-state
+update give the plain run's numbers bit for bit, and FSDP2 is built with its CPU offload policy.
 
 On CPU the device is the host, so no byte moves (docs/offload.md): what these runs check is that each lever's
 code path composes with the layouts and leaves the numbers alone; the memory it saves is the planner's

@@ -1,11 +1,11 @@
 """The planner against what multi-rank CPU runs actually hold and allocate (gloo, the tiny models).
 
-Each layout runs the real training code path (speedllm.train.build.build_model and train_step) on 2 spawned
-ranks (speedllm.planner.measure.measure_layouts: every layout in turn on one set of ranks). Measured per rank: the
+Each layout runs the real training code path (speedllm.train.build.build_model and train_step) on 2 spawned ranks
+(speedllm.planner.measure.measure_layouts: every layout in turn on one set of ranks). Measured per rank: the
 parameter elements it stores (local shards), the bytes of its weights, of the gradients the update sees and of the
 AdamW states, and the peak bytes of live tensor storage during a step (PeakTensorMemory: every allocation an op
-makes, FSDP2's storage resizes, minus frees — the CPU analogue of torch.cuda.max_memory_allocated). The planner's numbers must
-equal the first four exactly and the peak within 15%.
+makes, FSDP2's storage resizes, minus frees — the CPU analogue of torch.cuda.max_memory_allocated). The planner's
+numbers must equal the first four exactly and the peak within 15%.
 """
 
 import pytest
