@@ -18,8 +18,9 @@ of a key), chosen from the composed config:
 - `task=plan`, `task=dryrun`, `--cfg ...` and `--help`: as typed (they are cheap at any size);
 - a run this machine cannot hold (more than 2 ranks, a model wider than 512, a GPU/NPU hardware profile): `task=dryrun`
   (validation, then every simulated rank built with the real `parallelize` on meta tensors);
-- pretrain / sft / dpo / distill: 2 steps of 4 x 32 tokens, no samples (TRAIN_CHEAP); generate / chat: 4 new tokens
-  (chat reads `/exit`); evaluate: 1 batch, or 2 samples per lm-eval task; suites that must be downloaded (lm-eval tasks
+- pretrain / sft / dpo / distill: 2 steps of 4 x 32 tokens, no samples (TRAIN_CHEAP); grpo: 2 steps of 2 x 2
+  completions of 4 tokens; generate / chat: 4 new tokens (chat reads `/exit`); evaluate: 1 batch, or 2 samples per
+  lm-eval task; suites that must be downloaded (lm-eval tasks
   without `evaluate.include_path`): `--cfg job`;
 - serve: started on a free port, then asked for `/health` until it answers 200, then SIGTERM to the launcher: it
   must exit 0;
@@ -57,6 +58,7 @@ COMMAND = re.compile(r"^((?:[A-Z_][A-Z0-9_]*=\S+\s+)*)(python launch\.py|speedll
 TRAIN_CHEAP = ["train.steps=2", "train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4",
                "train.eval_every=0", "generate.num_samples=0"]
 TASK_CHEAP = {"pretrain": TRAIN_CHEAP, "sft": TRAIN_CHEAP, "dpo": TRAIN_CHEAP, "distill": TRAIN_CHEAP,
+              "grpo": ["train.steps=2", "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=4"],
               "generate": ["generate.max_new_tokens=4"], "chat": ["generate.max_new_tokens=4"],
               "evaluate": ["evaluate.steps=1", "evaluate.limit=2"], "serve": ["serve.max_len=128"]}
 DEMO_TOKENIZER = ASSETS / "tokenizers" / "demo"
