@@ -36,6 +36,7 @@ from omegaconf import OmegaConf
 
 from benchmarks.common import CONFIGS, REPO, decode_speed, have_torchtitan, make_parser, parse, torchtitan_model
 from speedllm.config.schema import AdamWConfig
+from speedllm.hardware import cpu_peaks
 from speedllm.models import Qwen3
 from speedllm.models.config import ModelConfig
 from speedllm.models.hf_adapter import hf_config, to_hf_state_dict
@@ -73,10 +74,9 @@ def model_cfg(name: str, dry: bool):
 
 def peak_tflops_bf16(device: torch.device) -> float:
     if device.type == "cpu":
-        profile = "cpu"
-    else:
-        name = torch.cuda.get_device_name(device).lower()
-        profile = "h200" if "h200" in name else "h100" if "h100" in name else "cuda"
+        return cpu_peaks()["bfloat16"]  # this CPU's measured peak (conf/hardware/cpu.yaml reads the same probe)
+    name = torch.cuda.get_device_name(device).lower()
+    profile = "h200" if "h200" in name else "h100" if "h100" in name else "cuda"
     return OmegaConf.load(CONF / "hardware" / f"{profile}.yaml").peak_tflops.bfloat16
 
 

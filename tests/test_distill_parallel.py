@@ -21,10 +21,10 @@ def records(run_dir) -> list:
 
 
 @pytest.mark.slow
-def test_fsdp2_and_tp2_equal_the_single_process(tmp_path, launch_argv):
+def test_fsdp2_and_tp2_equal_the_single_process(tmp_path, launch_here, launch_ranks):
     teacher = save_hf("dense_tied", tmp_path / "teacher", max_shard_size="1MB", vocab_size=8192)
     run = [*DENSE, *DISTILL, f"distill.teacher={teacher}"]
-    run_all({tmp_path / name: [*run, f"parallel={name}"] for name in ["single", *LAYOUTS]}, launch_argv)
+    run_all({tmp_path / name: [*run, f"parallel={name}"] for name in ["single", *LAYOUTS]}, launch_here, launch_ranks)
     expected = records(tmp_path / "single")
     assert len(expected) == 3 and expected[-1]["distill/loss"] < expected[0]["distill/loss"]
     for layout in LAYOUTS:
