@@ -11,11 +11,12 @@ read back instead of run again, so an interrupted sweep continues where it stopp
     python -m benchmarks muon --dry                     # 2 steps of a 64-wide model, one lr each
 """
 
-import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+from benchmarks.common import make_parser, parse
 
 ROOT = Path(__file__).resolve().parents[1]
 # peak lrs swept per optimizer; the middle one is the optimizer's documented default (conf/optim/<name>.yaml)
@@ -48,14 +49,13 @@ def train(out: Path, optim: str, lr: float, steps: int, report: bool, extra: lis
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = make_parser(__name__, __doc__)
     parser.add_argument("--optims", default="adamw,muon")
     parser.add_argument("--lrs", default=None, help="comma-separated peak lrs (default: each optimizer's sweep)")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench_muon")
     parser.add_argument("--report", action="store_true", help="run nothing: the table of what --out holds so far")
-    parser.add_argument("--dry", action="store_true", help="2 steps of a 64-wide model, one lr each, into ./bench_muon_dry")
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)  # --dry: 2 steps of a 64-wide model, one lr each, into ./bench_muon_dry
     if args.dry:
         args.steps, args.lrs, args.out = 2, None, Path("bench_muon_dry").absolute()
     rows = []

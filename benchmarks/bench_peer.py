@@ -21,6 +21,8 @@ timing. A training step is forward + backward + gradient clipping + AdamW, each 
   torchtitan_chunked     the same with its ChunkedLossWrapper recipe (8 chunks)
   transformers           Qwen3ForCausalLM(labels=...) with torch's AdamW (foreach) and clip_grad_norm_
   ours_reference         ours with the reference op set (what the fused CPU kernels gain; only when asked for)
+  ours_float32           ours in fp32 whatever --dtype (with --dtype bfloat16: bf16's gain in one interleaved run;
+                         only when asked for)
 torchtitan is an optional dependency (`pip install -e ".[bench]"`); without it its rows are skipped with a
 message. Steps are interleaved (system by system within each step), so load from other processes hits all
 alike; the median and the fastest step are reported. Peak memory: each system runs two training steps alone in
@@ -55,7 +57,7 @@ from speedllm.paths import CONF
 from speedllm.train.metrics import peak_memory_gb
 from speedllm.train.optimizer import build_optimizer
 
-SYSTEMS = ("ours", "torchtitan", "torchtitan_chunked", "transformers", "ours_reference")
+SYSTEMS = ("ours", "torchtitan", "torchtitan_chunked", "transformers", "ours_reference", "ours_float32")
 OPS = OmegaConf.load(CONF / "hardware" / "cpu.yaml").ops  # ours runs the op set `hardware=cpu` runs
 GRAD_CLIP = 1.0
 OPTIM = OmegaConf.structured(AdamWConfig)  # our defaults; the peers get the same lr, betas, eps, decay
@@ -73,6 +75,7 @@ def build(name: str, config: str, hf=None, dtype: str = "float32"):
     """(model, step function) for one system; `hf` (transformers' model) supplies the weights; dtype bfloat16:
     forward and backward under torch.autocast (each system's own bf16 setting on one CPU device)."""
     hf = hf if hf is not None else hf_model(config)
+    dtype = "float32" if name == "ours_float32" else dtype
     tokens, labels = batch(hf.config.vocab_size)
     num_labels = (labels != -100).sum()
     if name == "transformers":
@@ -85,7 +88,7 @@ def build(name: str, config: str, hf=None, dtype: str = "float32"):
 
         def clip():
             torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP, foreach=True)
-    elif name in ("ours", "ours_reference"):
+    elif name.startswith("ours"):
         cfg = model_cfg(config)
         model = Qwen3(cfg, ops=OPS if name == "ours" else "reference").train()
         model.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg))
@@ -180,12 +183,12 @@ def bench_training(config: str, systems, steps: int, compile_: bool, clock, dtyp
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm")
 
 
-def profile(config: str, systems, rows: int) -> None:
+def profile(config: str, systems, rows: int, dtype: str = "float32") -> None:
     """torch.profiler table of one training step per system (after one untimed step), by self CPU time, and the
     step's GEMM share: the self time of the matrix-multiply ops over the profiled step's wall time."""
     hf = hf_model(config)
     for name in systems:
-        _, step = build(name, config, hf)
+        _, step = build(name, config, hf, dtype)
         step()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             seconds, _ = timed(step)
@@ -256,7 +259,7 @@ def main(argv=None) -> None:
     parser = make_parser(__name__, __doc__)
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=["vocab_32k", "qwen3_vocab"])
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS[:-1]))
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS[:4]))
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="training precision of every system (bfloat16: each one's mixed precision)")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile'd steps")
@@ -280,7 +283,7 @@ def main(argv=None) -> None:
     clock = CLOCKS[args.clock]
     for config in args.configs:
         if args.profile:
-            profile(config, systems, args.profile)
+            profile(config, systems, args.profile, args.dtype)
             continue
         print_training(config, bench_training(config, systems, args.steps, False, clock, args.dtype), False,
                        args.dtype)

@@ -29,8 +29,8 @@ def load(root: Path, quant: str, tp: int):
     from speedllm.generation.load import load_model
     from speedllm.parallel.mesh import build_mesh
 
-    cfg = compose_config("task=generate", "hardware=cpu", "model=hf", f"checkpoint.load_hf={root}",
-                         f"run_dir={root}", f"quant={quant}", "quant.group_size=64",
+    cfg = compose_config("task=generate", "hardware=cpu", "hardware.dtype=float32", "model=hf",
+                         f"checkpoint.load_hf={root}", f"run_dir={root}", f"quant={quant}", "quant.group_size=64",
                          "parallel=tp2" if tp == 2 else "parallel=single")
     mesh = build_mesh(cfg.parallel, "cpu") if tp == 2 else None
     return load_model(cfg, Runtime(rank=dist.get_rank(), world_size=tp, mesh=mesh))

@@ -33,6 +33,7 @@ def ours(args) -> dict:
     overrides = [
         "model=qwen3_tiny", f"model.vocab_size={args.vocab}", "model.tie_word_embeddings=true",
         f"model.tokenizer=${{asset:tokenizers/{args.tokenizer}}}", "hardware=cpu",
+        "hardware.dtype=float32",
         f"train.steps={args.warmup + args.steps}",
         f"train.seq_len={args.seq_len}", f"train.micro_batch_size={args.batch}", f"train.global_batch_size={args.batch}",
         "train.log_every=1", "train.eval_every=0", "checkpoint.save_final=false",

@@ -41,7 +41,11 @@ def parse(parser: argparse.ArgumentParser, argv, **dry) -> argparse.Namespace:
     """`argv` parsed; with --dry, `dry` replaces the defaults (arguments given still win): the benchmark's
     smallest form, which runs its whole code path in seconds on a CPU."""
     parser.add_argument("--dry", action="store_true", help="smallest form: seconds on a CPU (what the tests run)")
+    parser.add_argument("--parse-only", action="store_true",
+                        help="check the arguments and exit (the docs test, for every documented command)")
     args = parser.parse_args(argv)
+    if args.parse_only:
+        raise SystemExit(0)
     if args.dry:
         parser.set_defaults(**dry)
         args = parser.parse_args(argv)
@@ -252,8 +256,8 @@ def decode_speed(ours, hf, prompt_BS, new_tokens: int, repeats: int, dtype, cloc
 # --- trained checkpoints and their quality
 
 # --dry: the training runs of the quality benchmarks, tiny and a few steps
-DRY_TRAINING = ("model=qwen3_tiny", "hardware=cpu", "train.steps=4", "train.seq_len=64", "train.micro_batch_size=2",
-                "train.global_batch_size=2", "train.eval_every=0", "generate.num_samples=0",
+DRY_TRAINING = ("model=qwen3_tiny", "hardware=cpu", "hardware.dtype=float32", "train.steps=4", "train.seq_len=64",
+                "train.micro_batch_size=2", "train.global_batch_size=2", "train.eval_every=0", "generate.num_samples=0",
                 "logging.progress_bar=false")
 NEW_TOKENS, PROMPT_LEN = 32, 16  # greedy tokens compared per prompt, prompt length
 
@@ -287,7 +291,8 @@ def quality(runs, group_size: int, steps: int, num_prompts: int):
     reference = base_ppl = prompts = None
     for checkpoint, quant in runs:
         cfg = compose_config("task=evaluate", f"checkpoint.load={checkpoint}", f"quant={quant}",
-                             f"quant.group_size={group_size}", "run_dir=/tmp", "hardware=cpu")
+                             f"quant.group_size={group_size}", "run_dir=/tmp", "hardware=cpu",
+                             "hardware.dtype=float32")  # each model as the fp32 original runs it
         adopt_checkpoint_config(cfg)  # the checkpoint's step directory, model and tokenizer
         model = load_model(cfg, Runtime())
         if prompts is None:

@@ -283,7 +283,9 @@ def offload_rows(table: Table, dry: bool, deadline: float) -> None:
     """Each offload lever against none: a short training run through launch.py on one device, read back from
     its metrics.jsonl (the second logging window: steps after the first, compiled and warmed up)."""
     seq, batch, steps = (32, 2, 4) if dry else (2048, 4, 12)
-    model = ["model=qwen3_tiny", "model.num_hidden_layers=2", "hardware=cpu"] if dry else ["model=qwen3_1.7b"]
+    # on a CPU in fp32: the levers' losses are compared exactly (auto would pick bf16 on an AMX CPU)
+    model = ["model=qwen3_tiny", "model.num_hidden_layers=2", "hardware=cpu", "hardware.dtype=float32"] if dry \
+        else ["model=qwen3_1.7b"]
     run = [*model, f"train.seq_len={seq}", f"train.micro_batch_size={batch}", f"train.global_batch_size={batch}",
            f"train.steps={steps}", f"train.log_every={steps // 2}", "train.eval_every=0", "checkpoint.save_final=false",
            "generate.num_samples=0", "logging.tensorboard=false", "logging.progress_bar=false"]

@@ -7,15 +7,14 @@ import shutil
 from pathlib import Path
 from typing import Dict, Iterable
 
+from speedllm import storage
 from speedllm.errors import UserError
 
 MARKER = ".speedllm"  # inside every directory we create and may later delete
 
 
 def _real(path) -> str:
-    from speedllm.storage import is_url
-
-    return str(path).rstrip("/") if is_url(path) else os.path.realpath(os.path.expanduser(str(path)))
+    return str(path).rstrip("/") if storage.is_url(path) else os.path.realpath(os.path.expanduser(str(path)))
 
 
 def check_no_collision(outputs: Dict[str, Iterable[str]], inputs: Dict[str, Iterable[str]]) -> None:
@@ -39,8 +38,6 @@ def check_no_collision(outputs: Dict[str, Iterable[str]], inputs: Dict[str, Iter
 def check_writable(key: str, path: str, directory: bool = False) -> None:
     """The output `path` (a file, or a directory when `directory`) can be created where it is asked for; a URL's
     protocol, bucket and credentials are checked (speedllm.storage.check)."""
-    from speedllm import storage
-
     if storage.is_url(path):
         return storage.check(key, str(path), must_exist=False)
     p = Path(path).expanduser()
@@ -74,30 +71,3 @@ def remove_ours(path: Path) -> bool:
         return False
     shutil.rmtree(path)
     return True
-
-
-def write_text_atomic(path: Path, text: str, key: str) -> None:
-    """Write `path` under a temporary name, flushed to disk, and rename it, so a reader never sees half a file.
-
-    A device or pipe (/dev/stdout) is written in place: renaming over it would replace the device. A failed
-    write (a full disk) is the user's one-line error naming `key`, and leaves no file behind.
-    """
-    if path.exists() and not path.is_file():
-        try:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text)
-        except OSError as e:
-            raise UserError(f"{key}={path}: writing failed ({e.strerror or e}); choose another {key}") from None
-        return
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        raise UserError(f"{key}={path}: writing failed ({e.strerror or e}); free space there or choose another "
-                        f"{key}") from None
-    finally:
-        tmp.unlink(missing_ok=True)

@@ -18,13 +18,39 @@ from pathlib import Path
 from typing import Iterator, List, Union
 
 from speedllm.errors import UserError, one_line
-from speedllm.outputs import write_text_atomic
 
 Location = Union[str, Path]
 
 # protocol -> the extra that installs its fsspec implementation (the others: fsspec's known_implementations name it)
 EXTRAS = {"s3": "s3", "s3a": "s3"}
 
+
+
+def write_text_atomic(path: Path, text: str, key: str) -> None:
+    """Write `path` under a temporary name, flushed to disk, and rename it, so a reader never sees half a file.
+
+    A device or pipe (/dev/stdout) is written in place: renaming over it would replace the device. A failed
+    write (a full disk) is the user's one-line error naming `key`, and leaves no file behind.
+    """
+    if path.exists() and not path.is_file():
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as e:
+            raise UserError(f"{key}={path}: writing failed ({e.strerror or e}); choose another {key}") from None
+        return
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise UserError(f"{key}={path}: writing failed ({e.strerror or e}); free space there or choose another "
+                        f"{key}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 def is_url(path: Location) -> bool:
     return "://" in str(path)

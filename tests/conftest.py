@@ -57,11 +57,27 @@ def pytest_collection_modifyitems(items):
                else first(item))
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """Under --dist loadgroup a worker names each grouped test `<id>@<group>`; a pytest that drops those names
+    (pytest 9.2: pytest-xdist#1386) would spread every group over the workers and run its module fixture on each."""
+    if node.config.getvalue("dist") == "loadgroup" and not any("@" in i for i in ids):
+        pytest.exit("--dist loadgroup is not grouping tests with this pytest and pytest-xdist (pytest-xdist#1386): "
+                    "pip install 'pytest>=8,<9.2' (the test extra's pin)", returncode=4)
+
+
+def _float32(overrides) -> list:
+    """`overrides` on a CPU in float32 unless they name a hardware.dtype: the exact-numerics tests hold fp32
+    references, and hardware.dtype=auto picks bfloat16 on a CPU with AMX or AVX512-BF16 (speedllm.hardware).
+    Another profile (hardware=a100, ...) keeps its own dtype."""
+    profile = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("hardware=")), "cpu")
+    told = any(o.startswith("hardware.dtype=") for o in overrides)
+    return [*([] if told or profile not in ("cpu", "auto") else ["hardware.dtype=float32"]), *overrides]
+
+
 def _launch_argv(run_dir, *overrides) -> list:
-    """The command line; float32 unless the test names a hardware.dtype: the exact-numerics tests hold fp32
-    references, and hardware.dtype=auto picks bfloat16 on a CPU with AMX or AVX512-BF16 (speedllm.hardware)."""
-    dtype = [] if any(o.startswith("hardware.dtype=") for o in overrides) else ["hardware.dtype=float32"]
-    return [sys.executable, str(ROOT / "launch.py"), f"hydra.run.dir={run_dir}", *dtype, *overrides]
+    """The command line (in float32 unless told: _float32)."""
+    return [sys.executable, str(ROOT / "launch.py"), f"hydra.run.dir={run_dir}", *_float32(overrides)]
 
 
 # A process that has imported what every `python launch.py` imports (torch, Hydra, speedllm's launcher) and forks a
@@ -74,6 +90,7 @@ import json, os, runpy, sys
 launch_py = sys.argv[1]
 sys.path[0] = os.path.dirname(launch_py)  # as `python launch.py` sets it
 import speedllm.cli, speedllm.launcher  # noqa: E401,F401
+import torch._dynamo  # noqa: F401  (the first nn.init on the meta device imports it: ~0.5 s of every launch)
 job = None
 for line in sys.stdin:
     job = json.loads(line)
@@ -157,7 +174,7 @@ def _launch(run_dir, *overrides, cwd=None, timeout=300) -> tuple:
     run_dir = Path(run_dir)
     cwd = Path(cwd) if cwd is not None else run_dir
     cwd.mkdir(parents=True, exist_ok=True)
-    proc = _run_launch_py([f"hydra.run.dir={run_dir}", *overrides], cwd, timeout=timeout)
+    proc = _run_launch_py([f"hydra.run.dir={run_dir}", *_float32(overrides)], cwd, timeout=timeout)
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -171,7 +188,7 @@ def launch_py():
 @pytest.fixture(scope="session")
 def launch():
     """`launch(run_dir, *overrides, cwd=run_dir, timeout=300) -> (exit code, stdout, stderr)`: `python launch.py
-    hydra.run.dir=<run_dir> <overrides>` run as a user would, from `cwd` (in float32 unless told: _launch_argv)."""
+    hydra.run.dir=<run_dir> <overrides>` run as a user would, from `cwd` (in float32 unless told: _float32)."""
     return _launch
 
 
@@ -187,7 +204,7 @@ def _launch_here(run_dir, *overrides) -> None:
     from speedllm.config import compose_config
     from speedllm.launcher import launch
 
-    status = launch(compose_config(f"run_dir={run_dir}", "logging.progress_bar=false", *overrides))
+    status = launch(compose_config(f"run_dir={run_dir}", "logging.progress_bar=false", *_float32(overrides)))
     assert status == 0, f"{run_dir}: exit status {status} (its output is in the captured stdout and stderr)"
 
 
@@ -209,7 +226,7 @@ def _rank_runs(rank: int, world_size: int, port: int, jobs: list) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     torch.set_num_threads(1)
     for run_dir, overrides in jobs:
-        cfg = compose_config(f"run_dir={run_dir}", "logging.progress_bar=false", *overrides)
+        cfg = compose_config(f"run_dir={run_dir}", "logging.progress_bar=false", *_float32(overrides))
         world, nproc = resolve(cfg)
         validate(cfg, world, nproc)
         assert world == nproc == world_size, (run_dir, world, world_size)

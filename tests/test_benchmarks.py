@@ -21,6 +21,7 @@ HEADERS = {
     "fsdp_memory": "| ranks | measured peak MiB |",
     "generate": "| metric | transformers | speedllm | ratio | same ids |",
     "gpu": "| decode | qwen3_0.6b, float32, batch 8",
+    "grpo": "ours / trl: steps/s",
     "init": "peak RSS MiB",
     "model": "ours/transformers: tokens/s",
     "muon": "| optimizer | peak lr | valid loss @ 2 |",
@@ -38,10 +39,10 @@ HEADERS = {
     "varlen": "| path | step CPU s (median) | peak tensor MiB |",
 }
 # several processes (spawned ranks, launch.py runs, a server) or a minute and more on a 2-core CPU
-SLOW = {"cp_memory", "distill_memory", "fsdp_memory", "gpu", "init", "muon", "peer", "planner", "qat_vs_ptq", "qlora",
-        "quant_memory", "quant_quality", "quant_tp", "serve", "train"}
+SLOW = {"cp_memory", "distill_memory", "fsdp_memory", "gpu", "grpo", "init", "muon", "peer", "planner", "qat_vs_ptq",
+        "qlora", "quant_memory", "quant_quality", "quant_tp", "serve", "train"}
 # optional dependencies (the `test` extras have them all): without one, its benchmarks are skipped
-NEEDS = {"qat_vs_ptq": "torchao", "qlora": "torchao", "quant": "torchao", "quant_memory": "torchao",
+NEEDS = {"grpo": "trl", "qat_vs_ptq": "torchao", "qlora": "torchao", "quant": "torchao", "quant_memory": "torchao",
          "quant_quality": "torchao", "serve": "openai"}
 
 

@@ -94,6 +94,10 @@ RULES = [
      "to 16, lower train.micro_batch_size, or set parallel.pp_microbatches=4"),
     (["model=qwen3_0.6b", "parallel=pp2", "parallel.vpp=7", "parallel.pp_schedule=DualPipeV", "task=doctor"],
      "parallel.pp_schedule=DualPipeV places two stages per rank in a V; set parallel.vpp=2"),
+    (["parallel=pp2_vpp2", "parallel.pp_schedule=ZBVZeroBubble", "train.compile=true", "task=doctor"],
+     "train.compile=true with parallel.pp_schedule=ZBVZeroBubble: torch splits this schedule's backward into input "
+     "and weight gradients, which compiled layers cannot do; set train.compile=false or use "
+     "parallel.pp_schedule=Interleaved1F1B (or 1F1B, GPipe)"),
     (["parallel.offload=disk", "task=doctor"], "parallel.offload=disk is not one of none, optimizer, params; pick one "
      "of them"),
     (["parallel=dp2", "parallel.fsdp=false", "parallel.offload=params", "task=doctor"],

@@ -212,7 +212,8 @@ def test_empty_documents_are_skipped_and_counted(tmp_path, capsys):
     preprocess(str(tmp_path / "clean.jsonl"), str(tmp_path / "clean"), DEMO_TOK, progress=False)
     cfg = OmegaConf.create({"data": {"input": str(tmp_path / "noisy.jsonl"), "output_prefix": str(tmp_path / "noisy"),
                                      "tokenizer": DEMO_TOK, "text_key": ["text"], "append_eod": True, "workers": 1,
-                                     "on_error": "fail", "trust_remote_code": False},
+                                     "on_error": "fail", "trust_remote_code": False,
+                                     "cache_dir": str(tmp_path / "cache")},
                             "logging": {"progress_bar": False}})
     meta = run(cfg)
     assert meta["skipped"] == {"empty document": 3} and meta["num_documents"] == 297

@@ -25,15 +25,17 @@ of a key), chosen from the composed config:
 - serve: started on a free port, then asked for `/health` until it answers 200, then SIGTERM to the launcher: it
   must exit 0;
 - `-m` sweeps: every point in its cheap form; `hydra/launcher=submitit_slurm`: skipped where the plugin is missing;
-- benchmarks: `--dry` (every `python -m benchmarks <name>` takes it; a script under `benchmarks/` that does not
-  gets `--help`: it imports and parses), before a `--` that hands the rest to launch.py; a bare
-  `python -m benchmarks <name>` is left to tests/test_benchmarks.py, which runs that dry form and checks its table.
+- benchmarks: `python -m benchmarks <name> <flags>` is parsed by the benchmark's own parser (`--parse-only`, in this
+  process): the code behind it is what tests/test_benchmarks.py runs in each benchmark's dry form, with its table
+  checked; a bare `python -m benchmarks <name>` is left to that test. A command with a `--` that hands the rest to
+  launch.py, or a script under `benchmarks/`, runs with `--dry` (or `--help` where a script has no dry form).
 A command documented to fail (`# exit N`, N > 0) runs as typed: it is refused before anything runs.
 Each command must exit with its documented code and print neither `internal error` nor `Traceback`.
 README.md stays a quickstart: at most 200 lines. Benchmarks, servers, lm-eval, sweeps and 2-rank runs are `slow`.
 """
 
 import fcntl
+import importlib
 import json
 import os
 import re
@@ -233,6 +235,22 @@ def _cheap_launch(args: list, tmp_path: Path) -> tuple:
     return extra, "serve" if task == "serve" else "chat" if task == "chat" else "run"
 
 
+def _parse_benchmark(where: str, args: list) -> None:
+    """`python -m benchmarks <name> <flags>`: the benchmark's own parser takes the flags (`--parse-only`, in this
+    process); what they run is the benchmark's code, which its dry form in tests/test_benchmarks.py runs."""
+    import contextlib
+    import io
+
+    from benchmarks import benchmarks
+
+    found = benchmarks()
+    assert args[0] in found, f"{where}\nno benchmark {args[0]!r} (python -m benchmarks --list: {', '.join(found)})"
+    err = io.StringIO()
+    with pytest.raises(SystemExit) as done, contextlib.redirect_stderr(err):
+        importlib.import_module(found[args[0]]).main([*args[1:], "--dry", "--parse-only"])
+    assert done.value.code in (0, None), f"{where}\n{err.getvalue()}"
+
+
 def _benchmark_argv(words: list) -> list:
     """`python -m benchmarks <name> ...` or `python benchmarks/<script> ...` with `--dry` where the benchmark
     takes it, else `--help`, placed before a `--` that hands the rest to launch.py."""
@@ -290,6 +308,9 @@ def test_doc_command_runs(page, number, command, artifacts, tmp_path, launch_py)
     else:  # a benchmark, run from the checkout
         if words[1:3] == ["-m", "benchmarks"] and len(words) == 4 and expected == 0:
             pytest.skip(f"tests/test_benchmarks.py runs `python -m benchmarks {words[3]} --dry` and checks its table")
+        if words[1:3] == ["-m", "benchmarks"] and expected == 0 and "--" not in words:
+            _parse_benchmark(where, words[3:])
+            return
         argv = _benchmark_argv(words)
         proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
         _check(where, proc.returncode, proc.stdout, proc.stderr, expected)

@@ -103,3 +103,19 @@ def test_offload_ranks_hold_the_planned_bytes_on_device_and_host(config, offload
     assert text.endswith("= task=plan's exact bytes")
     device = "params 0.000 MiB grads 0.000 MiB" if offload == "params" else "optimizer 0.000 MiB | host: params 0.000 MiB"
     assert device in text
+
+
+@pytest.mark.parametrize("parallel,world", [("fsdp2", 4), ("tp2", 2)])
+def test_distill_teacher_is_counted_as_built(parallel, world, config, hf_dir):
+    """distill.teacher (a transformers-saved model): each rank holds its shard of the teacher's fp32 weights (1/4
+    under fsdp over 4 ranks, its tensor-parallel rows under tp2), and the planner's teacher bytes say the same."""
+    path, hf, _ = hf_dir
+    cfg = config(f"parallel={parallel}", f"distill.teacher={path}", world=world)
+    whole = sum(p.numel() for name, p in hf.named_parameters()) * 4  # tied: the embedding counted once
+    for rank in range(world):
+        held, planned = build_rank(cfg, rank, world).teacher
+        assert held == planned
+        if parallel == "fsdp2":
+            assert held == pytest.approx(whole / world, rel=0.01)  # FSDP2 pads uneven dim-0 shards
+        else:
+            assert whole / 2 < held < whole  # norms (and the tied table's rows) are whole on every rank

@@ -118,3 +118,29 @@ def test_group_advantages_are_trl_s():
     torch.testing.assert_close(group_advantages(rewards, 4, True), (rewards - mean) / (std + 1e-4))
     torch.testing.assert_close(group_advantages(rewards, 4, False), rewards - mean)
 
+
+
+@pytest.mark.parametrize("layout", [dict(dp=1), dict(dp=2), dict(tp=2)])
+def test_planner_counts_the_rollout_cache_and_the_reference(layout):
+    """task=grpo's plan: a rank's sampling phase holds the KV cache the rollout allocates (new_cache for its share
+    of prompts_per_step x group_size rows of train.seq_len tokens) and, with rl.kl_coef, the frozen reference copy
+    of the weights; task=pretrain's plan has neither."""
+    from speedllm.config import compose_config
+    from speedllm.generation.engine import new_cache
+    from speedllm.planner.layout import Layout
+    from speedllm.planner.search import Planner, problem_from_config
+
+    run = ["hardware=cpu", "hardware.dtype=float32", "model=qwen3_tiny", "train.seq_len=96", "rl.prompts_per_step=6",
+           "rl.group_size=4"]
+    world = max(layout.values())
+    grpo = compose_config("task=grpo", "rl.kl_coef=0.05", *run)
+    (memory,) = Planner(problem_from_config(grpo, world)).rank_memories(Layout(**layout))
+    (plain,) = Planner(problem_from_config(compose_config(*run), world)).rank_memories(Layout(**layout))
+    cache = new_cache(grpo.model, 24 // layout.get("dp", 1), 96, torch.float32, "meta", layout.get("tp", 1))
+    assert memory.rollout == (cache.k.nbytes + cache.v.nbytes) > 0 and plain.rollout == 0
+    # the reference: the model's own fp32 weights, and under FSDP2 its root unit (embedding, final norm) gathered
+    m = grpo.model
+    root = 4 * (m.vocab_size * m.hidden_size + m.hidden_size) if layout.get("dp", 1) > 1 else 0
+    assert memory.teacher == memory.params + root and plain.teacher == 0
+    assert memory.total == max(plain.total + memory.teacher, memory.params + memory.optimizer + memory.teacher
+                               + memory.rollout)

@@ -1,5 +1,6 @@
-"""task=grpo under fsdp2, tp2 and (MoE) ep2 against the single-process run: the same rollouts, rewards and losses
-within 1e-5 relative, rl/logprob_diff <= 1e-5 in every layout; router replay's changed-route count.
+"""task=grpo under fsdp2, tp2 and (MoE) ep2 against the single-process run: the same rollouts and rewards, grad
+norm, KL, entropy and clip share within 1e-5 relative (the near-zero loss within 2e-6 absolute), rl/logprob_diff
+<= 1e-5 in every layout; router replay's changed-route count.
 
 SGD, not AdamW: Adam's first updates are about lr x sign(gradient), so a 1e-7 difference in a near-zero gradient
 entry moves a weight by lr, and after one step every layout (any two reduction orders) differs by ~1e-4."""
@@ -13,8 +14,10 @@ from speedllm.paths import ROOT
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
+# untied, as Qwen3 from 4B up; with qwen3_tiny's tied embeddings fsdp2 and tp2 differ from one process by up to
+# 4.9e-5 in the grad norm from step 2 (open, docs/benchmarks/rl.md)
 DENSE = ["model=qwen3_tiny", "model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2",
-         "model.head_dim=16"]
+         "model.head_dim=16", "model.tie_word_embeddings=false"]
 MOE = ["model=qwen3_moe_tiny", "model.hidden_size=64", "model.num_hidden_layers=2", "model.head_dim=16",
        "model.moe_intermediate_size=32"]
 RL = ["task=grpo", "hardware=cpu", "train.steps=3", "rl.prompts_per_step=4", "rl.group_size=4", "rl.max_new_tokens=6",
@@ -51,10 +54,10 @@ def assert_same(ours, single):
         assert a["rl/logprob_diff"] <= 1e-5 and b["rl/logprob_diff"] <= 1e-5
         assert a["rl/reward"] == b["rl/reward"] and a["rl/response_len"] == b["rl/response_len"]  # same rollouts
         for key in SAME:
-            # Step 1 to 1e-5. From step 2 the loss (near-cancelling terms of size ~1) and the grad norm of fsdp2
-            # and tp2 differ from one process by up to 8e-5 relative, both layouts alike (open: benchmarks/rl.md).
-            rel = 1e-5 if a["step"] == 1 or key not in ("loss", "grad_norm") else 2e-4
-            assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-6), (key, a["step"], a[key], b[key])
+            # 1e-5 relative; the loss, a mean of +-advantage terms of size ~1 that nearly cancel (~1e-3), to 2e-6
+            # absolute: one process on 1 thread against 2 threads already differs by 2e-5 of it
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=2e-6 if key == "loss" else 0), \
+                (key, a["step"], a[key], b[key])
     assert single[-1]["loss"] != 0 and single[-1]["rl/kl"] > 0  # the runs compared did learn something
 
 

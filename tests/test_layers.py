@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "speedllm"
 
 # Lowest first. A name is a top-level module or subpackage of speedllm.
 LAYERS = [
-    ("ground", ["errors", "paths", "native", "outputs", "console"]),
+    ("ground", ["errors", "paths", "native", "storage", "outputs", "console"]),
     ("leaves", ["ops", "models", "quant", "adapters", "data", "hardware"]),
     ("machinery", ["parallel", "checkpoint", "runtime"]),
     ("recipes", ["generation", "train", "planner"]),

@@ -69,6 +69,15 @@ def test_lever_resumes_bit_exactly(name, runs):
     assert resumed == losses(runs / name)[5]
 
 
+@pytest.mark.parametrize("name", ["dualpipev", "dualpipev_moe"])
+def test_dualpipev_ran_torchs_schedule_on_stages_placed_in_a_v(name, runs):
+    """The run's own line: ScheduleDualPipeV ran, pipeline rank r held stages r and 2*pp-1-r (a V), each stage one
+    of the model's layers in order."""
+    lines = [line for line in (runs / name / "launch.log").read_text().splitlines() if line.startswith("pipeline:")]
+    assert lines == ["pipeline: ScheduleDualPipeV, 4 micro-batches, 4 stages; pp rank 0: stage 0 (layers 0), "
+                     "stage 3 (layers 3); pp rank 1: stage 1 (layers 1), stage 2 (layers 2)"]
+
+
 def tiny(tiny_model_cfg, seed=0, **overrides):
     from speedllm.models.qwen3 import Qwen3
 

@@ -26,8 +26,8 @@ MOE = ["model=qwen3_moe_tiny", "model.hidden_size=64", "model.moe_intermediate_s
 MOE2 = [*MOE, "model.num_experts=2", "model.num_experts_per_tok=1"]  # one expert per ep rank, FSDP2 shards it by rows over its 2 edp ranks
 # A constant LR after 2 warmup steps: the schedule does not depend on train.steps, so runs that stop at
 # step 5 (stop_after) and runs that go on to step 6 see the same learning rates.
-RUN = ["hardware=cpu", "train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=8",
-       "train.log_every=1", "train.eval_every=0", "train.steps=6", "optim.warmup_steps=2", "optim.schedule=constant",
+RUN = ["hardware=cpu", "hardware.dtype=float32", "train.seq_len=32", "train.micro_batch_size=2",
+       "train.global_batch_size=8", "train.log_every=1", "train.eval_every=0", "train.steps=6", "optim.warmup_steps=2", "optim.schedule=constant",
        "logging.progress_bar=false", "logging.tensorboard=false", "generate.num_samples=0"]
 LAYOUTS = {  # name: (model, parallel overrides)
     "fsdp2": (DENSE, ["parallel=fsdp2"]),

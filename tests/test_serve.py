@@ -53,8 +53,9 @@ def wait_healthy(url, proc, timeout=180):
 def serving(path, *overrides):
     """task=serve on the HF dir in a subprocess (its own session): (process, base url, openai client)."""
     port = free_port()
+    # float32: answers are compared across batch compositions (bf16's rounding depends on them)
     proc = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "task=serve", "model=hf", "hardware=cpu",
-                             f"checkpoint.load_hf={path}", f"serve.port={port}", f"serve.model_name={MODEL_ID}",
+                             "hardware.dtype=float32", f"checkpoint.load_hf={path}", f"serve.port={port}", f"serve.model_name={MODEL_ID}",
                              "serve.max_batch=8", "serve.max_len=128", f"hydra.run.dir={path}/run", *overrides],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=path,
                             start_new_session=True)

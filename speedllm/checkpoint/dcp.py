@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from speedllm import storage
 from speedllm.errors import UserError, one_line, reading
-from speedllm.outputs import MARKER, make_scratch_dir, remove_ours, write_text_atomic
+from speedllm.outputs import MARKER, make_scratch_dir, remove_ours
 
 LATEST = "latest"
 SAVE_ATTEMPTS = 3  # a failed checkpoint write is tried again this often in all, after 1 s, 2 s ...

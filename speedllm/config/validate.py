@@ -22,6 +22,7 @@ from speedllm.parallel.rules import (
     OFFLOAD,
     PP_SCHEDULES,
     batch_errors,
+    compile_errors,
     divisors,
     inference_layout_errors,
     layout_errors,
@@ -288,6 +289,7 @@ def check_parallel(cfg: DictConfig) -> None:
                           "at none / false")
     else:
         errors += offload_errors(p.offload, fsdp=p.fsdp, finetune=cfg.finetune.name, optimizer=cfg.optim._target_)
+        errors += compile_errors(compile_=cfg.train.compile, pp=p.pp, schedule=p.pp_schedule)
     if errors:
         raise UserError(errors[0])
 

@@ -88,10 +88,11 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             else:
                 logits.copy_(h @ weight_VD.t())
             loss, grad_logits = chunk_fn(logits, labels_N[start : start + chunk_size])
-            grad_hidden[start : start + chunk_size] = grad_logits.to(weight.dtype) @ weight
+            grad_low = grad_logits.to(weight.dtype)  # under autocast: converted once, for both GEMMs
+            grad_hidden[start : start + chunk_size] = grad_low @ weight
             if ctx.needs_input_grad[1]:  # a frozen output weight (LoRA, QLoRA) gets no vocabulary-sized gradient
                 if amp is not None:
-                    chunk_grad = (grad_logits.t().to(amp) @ h).float()
+                    chunk_grad = (grad_low.t() @ h).float()
                     grad_weight = chunk_grad if grad_weight is None else grad_weight.add_(chunk_grad)
                 elif grad_weight is None:
                     grad_weight = grad_logits.t() @ h.float()

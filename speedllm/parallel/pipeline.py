@@ -163,6 +163,17 @@ class Pipeline:
             self._sum_tied_grads()
         return totals[0], totals[1]
 
+    def describe(self) -> str:
+        """What ran, in one line: the schedule's class and every pipeline rank's stages with their layers (a
+        collective over the pipeline ranks; call it on all of them once the first step has built the schedule)."""
+        mine = [(index, sorted(map(int, module.layers))) for index, module in self.stages]
+        held = [None] * self.group.size()
+        dist.all_gather_object(held, mine, group=self.group)
+        ranks = "; ".join(f"pp rank {r}: " + ", ".join(f"stage {s} (layers {', '.join(map(str, ids)) or '-'})"
+                                                       for s, ids in stages) for r, stages in enumerate(held))
+        return (f"pipeline: {type(self.schedule).__name__}, {self.schedule._n_microbatches} micro-batches, "
+                f"{self.num_stages} stages; {ranks}")
+
     @torch.no_grad()
     def forward_only(self, tokens: torch.Tensor, **kwargs):
         """The whole model's forward (no schedule): stage after stage, hidden states sent point to point.

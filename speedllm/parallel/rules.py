@@ -9,6 +9,8 @@ from typing import List, Optional, Sequence
 INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # two stages per pipeline rank, placed in a V (speedllm.parallel.pipeline)
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", *V_SCHEDULES)
+# schedules that split a backward into input and weight gradients, which torch cannot run on compiled modules
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 OFFLOAD = ("none", "optimizer", "params")  # parallel.offload
 
 
@@ -114,6 +116,15 @@ def pipeline_batch_errors(*, pp: int, vpp: int, schedule: str, pp_microbatches: 
     if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and n % rounds:
         return [f"parallel.pp_schedule={schedule} needs the micro-batches per step to be a multiple of "
                 f"{rounds} (rounds of parallel.pp={pp}), but {where} gives {n}; use a multiple of parallel.pp"]
+    return []
+
+
+def compile_errors(*, compile_: bool, pp: int, schedule: str) -> List[str]:
+    """train.compile under a pipeline schedule torch runs only on uncompiled stages (pytorch/pytorch#161904)."""
+    if compile_ and pp > 1 and schedule in SPLIT_BACKWARD:
+        return [f"train.compile=true with parallel.pp_schedule={schedule}: torch splits this schedule's backward "
+                "into input and weight gradients, which compiled layers cannot do; set train.compile=false or use "
+                "parallel.pp_schedule=Interleaved1F1B (or 1F1B, GPipe)"]
     return []
 
 

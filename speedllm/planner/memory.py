@@ -61,8 +61,25 @@ class ModelTensors:
 
 
 def config_key(model_cfg) -> tuple:
+    """A model config as a hashable key (lists as tuples, a dict such as rope_scaling as its sorted items);
+    model_of_key turns it back."""
     items = OmegaConf.to_container(model_cfg, resolve=False) if OmegaConf.is_config(model_cfg) else vars(model_cfg)
-    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in items.items() if k != "tokenizer"))
+
+    def frozen(v):
+        if isinstance(v, dict):
+            return ("<dict>", tuple(sorted((k, frozen(x)) for k, x in v.items())))
+        return tuple(v) if isinstance(v, list) else v
+
+    return tuple(sorted((k, frozen(v)) for k, v in items.items() if k != "tokenizer"))
+
+
+def model_of_key(key: tuple):
+    """The model config (DictConfig) of a config_key."""
+
+    def thawed(v):
+        return {k: thawed(x) for k, x in v[1]} if isinstance(v, tuple) and v[:1] == ("<dict>",) else v
+
+    return OmegaConf.create({k: thawed(v) for k, v in key})
 
 
 def style_dim(style, module: nn.Module, param_name: str) -> Optional[int]:
@@ -107,7 +124,7 @@ def _model_tensors(key: tuple) -> ModelTensors:
     from speedllm.models.moe import Experts
     from speedllm.models.qwen3 import Qwen3
 
-    cfg = OmegaConf.create(dict(key))
+    cfg = model_of_key(key)
     with torch.device("meta"):
         model = Qwen3(cfg)
     expert_params = {id(p) for m in model.modules() if isinstance(m, Experts) for p in m.parameters()}
@@ -327,7 +344,13 @@ class Memory:
     host: float = 0.0
     host_activations: float = 0.0  # of `host`: saved activations at their peak
     offloaded_per_layer: float = 0.0  # activation bytes one layer sends to the host per micro-batch
-    teacher: float = 0.0  # task=distill: the frozen teacher's weights on this rank (teacher_bytes)
+    teacher: float = 0.0  # a frozen model's weights on this rank (teacher_bytes): distill's teacher, grpo's reference
+    rollout: float = 0.0  # task=grpo: the sampling KV cache of this rank's completions (rollout_cache_bytes)
+
+    @property
+    def sampling(self) -> float:
+        """task=grpo's rollout, before the step's forward: no activations and no gradients yet."""
+        return self.params + self.optimizer + self.teacher + self.rollout
 
     @property
     def forward_backward(self) -> float:
@@ -340,7 +363,7 @@ class Memory:
 
     @property
     def total(self) -> float:
-        return max(self.forward_backward, self.update)
+        return max(self.forward_backward, self.update, self.sampling)
 
 
 def saved_bytes_per_element(ops: str, e: int) -> Tuple[int, int, int]:
@@ -557,15 +580,25 @@ def rank_memory(m, layout: Layout, sp: StageParams, pp_rank: int, seq_len: int,
     return mem
 
 
-def teacher_bytes(teacher_cfg, layout: Layout, dtype: str) -> float:
+def teacher_bytes(teacher_cfg, layout: Layout, dtype: str, gathered: bool = True) -> float:
     """task=distill: a rank's bytes of the frozen teacher (speedllm.train.teacher), built like the student under the
     layout's TP and FSDP2 (no pipeline stages): its fp32 weights, sharded, plus under FSDP2 its root unit
     (embedding, final norm, output projection) gathered in `dtype` while the student's loss reads it. No gradients,
-    no optimizer states, and its activations are those of one forward without saved tensors (not counted)."""
+    no optimizer states, and its activations are those of one forward without saved tensors (not counted).
+    gathered=False: the weights alone (what task=dryrun finds on a rank)."""
     sp = rank_params(model_tensors(teacher_cfg), replace(layout, pp=1, vpp=1), [teacher_cfg.num_hidden_layers], 0)
     dense_fsdp, _ = fsdp_degrees(layout)
-    gathered = sp.root_gathered * DTYPES[dtype].itemsize if layout.fsdp and dense_fsdp > 1 else 0.0
-    return sp.sharded * MASTER_BYTES + gathered
+    root = sp.root_gathered * DTYPES[dtype].itemsize if gathered and layout.fsdp and dense_fsdp > 1 else 0.0
+    return sp.sharded * MASTER_BYTES + root
+
+
+def rollout_cache_bytes(m, layout: Layout, rows: int, seq_len: int, dtype: str) -> float:
+    """task=grpo: a rank's KV cache while it samples: its data-parallel share of `rows` completions (prompts per
+    step x group size), each up to `seq_len` tokens (prompt and completion), its tensor-parallel share of the kv
+    heads, every layer, in `dtype` (speedllm.generation.engine.new_cache)."""
+    per_rank = math.ceil(rows / layout.dp)
+    heads = m.num_key_value_heads / layout.tp
+    return 2 * m.num_hidden_layers * per_rank * seq_len * heads * m.head_dim * DTYPES[dtype].itemsize
 
 
 def inference_weight_bytes(model_cfg, quant, dtype: str, tp: int = 1) -> Tuple[float, float]:

@@ -36,6 +36,7 @@ from speedllm.planner.memory import (
     model_tensors,
     rank_memory,
     rank_params,
+    rollout_cache_bytes,
     teacher_bytes,
     tp_facts,
 )
@@ -64,7 +65,10 @@ class Problem:
     memory_margin: float = 0.1
     optim: object = None  # OptimConfig fields; None: AdamW
     allow_offload: bool = True  # plan.allow_offload: offload to host memory when nothing fits without
-    teacher: object = None  # task=distill: the frozen teacher's ModelConfig fields, held beside the model
+    # a frozen model held beside the trained one (ModelConfig fields): task=distill's teacher, or task=grpo's
+    # reference copy of the model (rl.kl_coef != 0 with full fine-tuning)
+    teacher: object = None
+    rollout_rows: int = 0  # task=grpo: completions sampled per step (rl.prompts_per_step x rl.group_size)
     finetune: str = "full"  # finetune.name
 
     @property
@@ -139,9 +143,11 @@ class Planner:
         memories = [rank_memory(p.model, layout, sp, r, p.seq_len, p.global_batch, p.hardware.dtype, p.loss_chunk,
                                 self.tp_facts, p.hardware.ops, p.hardware.device, muon_bytes)
                     for r, sp in enumerate(stages)]
-        if p.teacher is not None:
-            for memory in memories:
+        for memory in memories:
+            if p.teacher is not None:
                 memory.teacher = teacher_bytes(p.teacher, layout, p.hardware.dtype)
+            if p.rollout_rows:
+                memory.rollout = rollout_cache_bytes(p.model, layout, p.rollout_rows, p.seq_len, p.hardware.dtype)
         return memories
 
     def estimate(self, layout: Layout, explicit_split=None) -> Estimate:
@@ -275,11 +281,16 @@ def problem_from_config(cfg, world: int) -> Problem:
     return Problem(model=cfg.model, hardware=cfg.hardware, world=world, seq_len=cfg.train.seq_len,
                    global_batch=cfg.train.global_batch_size, loss_chunk=cfg.train.loss_chunk_size,
                    efficiency=cfg.plan.compute_efficiency, memory_margin=cfg.plan.memory_margin, optim=cfg.optim,
-                   allow_offload=cfg.plan.allow_offload, finetune=cfg.finetune.name, teacher=distill_teacher(cfg))
+                   allow_offload=cfg.plan.allow_offload, finetune=cfg.finetune.name, teacher=frozen_model(cfg),
+                   rollout_rows=cfg.rl.prompts_per_step * cfg.rl.group_size if cfg.task.name == "grpo" else 0)
 
 
-def distill_teacher(cfg):
-    """task=distill's teacher model (speedllm.train.teacher), None for every other task."""
+def frozen_model(cfg):
+    """The frozen model a task holds beside the one it trains: task=distill's teacher (speedllm.train.teacher),
+    task=grpo's reference copy (with rl.kl_coef != 0 and full fine-tuning; LoRA turns its adapters off instead),
+    else None."""
+    if cfg.task.name == "grpo" and cfg.rl.kl_coef != 0 and cfg.finetune.name == "full":
+        return cfg.model
     if cfg.task.name != "distill" or cfg.distill.teacher is None:
         return None
     from speedllm.train.teacher import teacher_source

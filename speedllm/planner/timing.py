@@ -15,12 +15,10 @@ costs what a two-stage-per-rank interleaved schedule costs.
 from dataclasses import dataclass
 from functools import lru_cache
 
-from omegaconf import OmegaConf
-
 from speedllm.hardware import DTYPES
 from speedllm.models.qwen3 import is_moe_layer
 from speedllm.planner.layout import Layout
-from speedllm.planner.memory import MASTER_BYTES, StageParams, config_key
+from speedllm.planner.memory import MASTER_BYTES, StageParams, config_key, model_of_key
 from speedllm.train.metrics import flops_per_token
 
 GEMM_HALF = 128  # rows / columns at which a matmul reaches half its best efficiency
@@ -84,7 +82,7 @@ def per_token(m, seq_len: int) -> tuple:
 
 @lru_cache(maxsize=64)
 def _per_token(key: tuple, seq_len: int) -> tuple:
-    m = OmegaConf.create(dict(key))
+    m = model_of_key(key)
     return flops_per_token(m, seq_len), sum(is_moe_layer(m, i) for i in range(m.num_hidden_layers))
 
 

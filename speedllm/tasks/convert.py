@@ -43,7 +43,8 @@ from speedllm.checkpoint.hf import (
 from speedllm.errors import UserError
 from speedllm.hardware import DTYPES
 from speedllm.models.hf_adapter import from_hf_state_dict
-from speedllm.outputs import make_scratch_dir, write_text_atomic
+from speedllm.outputs import make_scratch_dir
+from speedllm.storage import write_text_atomic
 
 HF_SUBDIR = "hf"
 

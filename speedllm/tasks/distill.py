@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from speedllm.checkpoint.dcp import Checkpointer
 from speedllm.generation.rollout import rollout
 from speedllm.generation.sampling import Sampling
 from speedllm.hardware import DTYPES
@@ -35,9 +34,9 @@ from speedllm.ops import IGNORE_INDEX
 from speedllm.parallel import ParallelModel, clip_grad_norm
 from speedllm.parallel.offload import optimizer_step
 from speedllm.runtime import Runtime, seed_everything
-from speedllm.train.build import build_training, grad_accum_steps, to_device
+from speedllm.train.build import build_training, grad_accum_steps, to_device, training_loop
 from speedllm.train.distill_loss import STATS, Objective, distill_loss
-from speedllm.train.metrics import MetricsLogger, peak_memory_gb
+from speedllm.train.metrics import peak_memory_gb
 from speedllm.train.state import extra_state
 from speedllm.train.step import count_targets, model_inputs
 from speedllm.train.teacher import build_teacher, head_weight, teacher_hidden
@@ -194,9 +193,7 @@ def run(cfg, rt: Runtime) -> None:
     teacher = build_teacher(cfg, rt)
     objective = objective_of(cfg)
     sampler = sampler_of(cfg, rt)
-    logger = MetricsLogger(cfg.run_dir, t.steps, step, rt.is_main, cfg.logging.tensorboard, cfg.logging.progress_bar)
-    stop_at = min(t.steps, step + t.stop_after) if t.stop_after > 0 else t.steps
-    checkpointer = Checkpointer(ck.dir, ck.keep, ck.async_save)
+    logger, checkpointer, stop_at = training_loop(cfg, rt, step)
     try:
         while step < stop_at:
             start = time.perf_counter()

@@ -24,13 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from speedllm.adapters.lora import adapters_disabled
-from speedllm.checkpoint.dcp import Checkpointer
-from speedllm.checkpoint.hf import load_hf_weights
 from speedllm.parallel import clip_grad_norm
 from speedllm.parallel.offload import optimizer_step
 from speedllm.runtime import Runtime, seed_everything
-from speedllm.train.build import build_model, build_training, grad_accum_steps, to_device
-from speedllm.train.metrics import MetricsLogger
+from speedllm.train.build import build_training, frozen_reference, grad_accum_steps, to_device, training_loop
 from speedllm.train.state import extra_state
 
 
@@ -97,17 +94,11 @@ def run(cfg, rt: Runtime) -> None:
     dp_rank, dp_size, group = rt.dims.coords("dp")
     accum = grad_accum_steps(t, dp_size)
     reference = None
-    if cfg.finetune.name == "full":  # the starting weights, frozen: built and loaded like the policy
-        seed_everything(cfg.seed)
-        reference = build_model(cfg, rt).module
-        if ck.load_hf is not None:
-            load_hf_weights(reference, ck.load_hf)
-        reference.requires_grad_(False)
+    if cfg.finetune.name == "full":  # else the policy with its adapters off
+        reference = frozen_reference(cfg, rt)
     seed_everything(cfg.seed)
     pm, optimizer, scheduler, loader, autocast, step, _ = build_training(cfg, rt)
-    logger = MetricsLogger(cfg.run_dir, t.steps, step, rt.is_main, cfg.logging.tensorboard, cfg.logging.progress_bar)
-    stop_at = min(t.steps, step + t.stop_after) if t.stop_after > 0 else t.steps
-    checkpointer = Checkpointer(ck.dir, ck.keep, ck.async_save)
+    logger, checkpointer, stop_at = training_loop(cfg, rt, step)
     try:
         while step < stop_at:
             start = time.perf_counter()

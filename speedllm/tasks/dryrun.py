@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from speedllm.adapters.lora import adapter_fn
 from speedllm.parallel.mesh import AXES
 from speedllm.planner.layout import layout_from_config, stage_layers
-from speedllm.planner.memory import MASTER_BYTES, model_tensors, placed, rank_params, state_text
+from speedllm.planner.memory import MASTER_BYTES, model_tensors, placed, rank_params, state_text, teacher_bytes
 from speedllm.runtime import init_fake_runtime
 from speedllm.train.optimizer import build_optimizer, state_numel
 
@@ -51,6 +51,7 @@ class RankReport:
     offload: str = "none"  # parallel.offload: which of them live in host memory
     # the planner's (params, grads, optimizer) bytes; None: it costs full training, not these adapters
     planned: Optional[Tuple[int, int, int]] = None
+    teacher: Optional[Tuple[int, int]] = None  # distill.teacher: (bytes of its weights held here, the planner's)
 
 
 def sample_ranks(parallel, world: int) -> List[int]:
@@ -94,9 +95,7 @@ def build_rank(cfg, rank: int, world: int) -> RankReport:
         report.experts, report.expert_shards = (first, first + per_rank), edp_mesh.size()
     elif cfg.model.num_experts:
         report.experts, report.expert_shards = (0, cfg.model.num_experts), 0
-    for p in pm.module.parameters():
-        local = p.to_local() if isinstance(p, DTensor) else p
-        report.params += local.numel() * local.element_size()
+    report.params = sum(local_bytes(p) for p in pm.module.parameters())
     for group in optimizer.param_groups:
         for p in group["params"]:
             local = p.to_local() if isinstance(p, DTensor) else p
@@ -105,7 +104,26 @@ def build_rank(cfg, rank: int, world: int) -> RankReport:
                                  * local.element_size())
     if cfg.finetune.name == "full":
         report.planned = planned_bytes(cfg, coords["pp"][0])
+    if cfg.distill.teacher is not None:
+        report.teacher = built_teacher_bytes(cfg, rt)
     return report
+
+
+def built_teacher_bytes(cfg, rt) -> Tuple[int, int]:
+    """(bytes of the frozen teacher's weights this rank holds, built as task=distill builds it
+    (speedllm.train.teacher) on the meta device; the planner's bytes for them)."""
+    from speedllm.train.build import meta_model
+    from speedllm.train.teacher import teacher_run_config, teacher_source
+
+    tcfg = teacher_run_config(cfg, teacher_source(str(cfg.distill.teacher)))
+    held = sum(local_bytes(p) for p in meta_model(tcfg, rt).module.parameters())
+    layout = layout_from_config(cfg.parallel, cfg.train)
+    return held, int(teacher_bytes(tcfg.model, layout, cfg.hardware.dtype, gathered=False))
+
+
+def local_bytes(p) -> int:
+    local = p.to_local() if isinstance(p, DTensor) else p
+    return local.numel() * local.element_size()
 
 
 def spans(ids: List[int]) -> str:
@@ -138,7 +156,12 @@ def line(r: RankReport) -> str:
         check = "= task=plan's exact bytes"
     else:
         check = "task=plan (first rank of this stage): " + state_text(*placed(r.planned, r.offload))
-    return f"rank {r.rank} [{coords}] {held} | {state_text(*mine)} | {check}"
+    teacher = ""
+    if r.teacher is not None:
+        built, planned = r.teacher
+        same = "= task=plan's" if built == planned else f"task=plan: {planned / 2**20:.1f} MiB"
+        teacher = f" | teacher weights {built / 2**20:.1f} MiB ({same})"
+    return f"rank {r.rank} [{coords}] {held} | {state_text(*mine)} | {check}{teacher}"
 
 
 def run(cfg, rt) -> None:

@@ -24,8 +24,8 @@ from speedllm.generation.engine import Detokenizer
 from speedllm.generation.load import load_model
 from speedllm.hardware import DTYPES
 from speedllm.models.rope import max_positions
-from speedllm.outputs import write_text_atomic
 from speedllm.runtime import Runtime
+from speedllm.storage import write_text_atomic
 
 
 def read_prompts(gen: DictConfig) -> List[str]:

@@ -31,8 +31,6 @@ from hydra.utils import get_method
 from omegaconf import OmegaConf
 
 from speedllm.adapters.lora import adapters_disabled
-from speedllm.checkpoint.dcp import Checkpointer
-from speedllm.checkpoint.hf import load_hf_weights
 from speedllm.data.prompts import PromptOrder, load_prompts
 from speedllm.data.tokenizer import load_tokenizer, pad_id_of, stop_ids_of
 from speedllm.errors import UserError
@@ -44,9 +42,8 @@ from speedllm.models.rope import max_positions
 from speedllm.parallel import clip_grad_norm
 from speedllm.parallel.offload import optimizer_step
 from speedllm.runtime import Runtime, seed_everything
-from speedllm.train.build import build_model, build_training
+from speedllm.train.build import build_training, frozen_reference, training_loop
 from speedllm.train.faults import Preemption
-from speedllm.train.metrics import MetricsLogger
 from speedllm.train.policy_loss import group_advantages, policy_loss
 from speedllm.train.rewards import length_penalty
 from speedllm.train.state import extra_state
@@ -125,9 +122,10 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
 class Sampler:
     """Rollouts and rewards of this rank: its share of a batch of prompt draws, scored globally."""
 
-    def __init__(self, cfg, rt, data, tokenizer, rewards, order):
+    def __init__(self, cfg, rt, data, tokenizer, rewards, order, autocast):
         self.cfg, self.rl, self.data, self.tokenizer, self.rewards, self.order = cfg, cfg.rl, data, tokenizer, \
             rewards, order
+        self.autocast = autocast  # the training forward's precision (bf16 mixed precision: autocast), also here
         self.dp_rank, self.dp_size, self.dp_group = rt.dims.coords("dp")
         self.world = dist.group.WORLD if rt.world_size > 1 else None
         self.device = rt.device
@@ -148,8 +146,10 @@ class Sampler:
                       for i in range(share)]
         was_training = model.training
         model.eval()
-        ro = rollout(model, [self.data.ids[i] for i in mine], rl.group_size, rl.max_new_tokens, self.sampling,
-                     generators, self.stop_ids, self.pad_id, self.dtype, tp=self.cfg.parallel.tp, group=self.world)
+        with self.autocast:
+            ro = rollout(model, [self.data.ids[i] for i in mine], rl.group_size, rl.max_new_tokens, self.sampling,
+                         generators, self.stop_ids, self.pad_id, self.dtype, tp=self.cfg.parallel.tp,
+                         group=self.world)
         model.train(was_training)
         ids = gather_lists(ro.completion_ids(), self.dp_group)
         prompt_of_row = [i for i in prompt_ids for _ in range(rl.group_size)]
@@ -261,22 +261,16 @@ def run(cfg, rt: Runtime) -> None:
     data = load_prompts(cfg.data.input, tokenizer, max_positions(cfg.model) - rl.max_new_tokens, rl.max_new_tokens)
     rewards = build_rewards(rl)
     reference = None
-    if rl.kl_coef != 0.0 and cfg.finetune.name == "full":  # the starting weights, frozen, as in task=dpo
-        seed_everything(cfg.seed)
-        reference = build_model(cfg, rt).module
-        if ck.load_hf is not None:
-            load_hf_weights(reference, ck.load_hf)
-        reference.requires_grad_(False)
+    if rl.kl_coef != 0.0 and cfg.finetune.name == "full":  # else the policy with its adapters off
+        reference = frozen_reference(cfg, rt)
     seed_everything(cfg.seed)
     order = PromptOrder(len(data.ids), cfg.seed)
     pm, optimizer, scheduler, _, autocast, step, _ = build_training(cfg, rt, loader=order)
     model = pm.module
     replay = bool(model.has_moe and (rl.router_replay is None or rl.router_replay))
-    sampler = Sampler(cfg, rt, data, tokenizer, rewards, order)
+    sampler = Sampler(cfg, rt, data, tokenizer, rewards, order, autocast)
     world = dist.group.WORLD if rt.world_size > 1 else None
-    logger = MetricsLogger(cfg.run_dir, t.steps, step, rt.is_main, cfg.logging.tensorboard, cfg.logging.progress_bar)
-    checkpointer = Checkpointer(ck.dir, ck.keep, ck.async_save)
-    stop_at = min(t.steps, step + t.stop_after) if t.stop_after > 0 else t.steps
+    logger, checkpointer, stop_at = training_loop(cfg, rt, step)
     last_saved = None
 
     def checkpoint() -> None:
@@ -286,7 +280,7 @@ def run(cfg, rt: Runtime) -> None:
         with Preemption() as preemption:
             while step < stop_at:
                 lr = scheduler.get_last_lr()[0]
-                start = time.perf_counter()
+                began = start = time.perf_counter()
                 ro, rewards_NF, first_row, texts, prompt_of_row = sampler.sample(model)
                 rollout_s = time.perf_counter() - start
                 weights = torch.tensor([w for _, _, w in rewards])
@@ -315,7 +309,8 @@ def run(cfg, rt: Runtime) -> None:
                             "rl/response_len": float(lengths.mean()), "rl/response_len_max": float(lengths.max()),
                             "rl/clipped_share": float((lengths >= rl.max_new_tokens).float().mean()),
                             "rl/zero_adv_groups": zero_groups, "rl/rollout_tokens_per_s": tokens / rollout_s,
-                            "rl/update_tokens_per_s": tokens * rl.ppo_epochs / update_s, "lr": lr}
+                            "rl/update_tokens_per_s": tokens * rl.ppo_epochs / update_s,
+                            "rl/step_s": time.perf_counter() - began, "lr": lr}
                 logger.log(step, metrics)
                 if step % t.log_every == 0 or step == stop_at:
                     for row in range(0, min(rl.num_samples * rl.group_size, len(texts)), rl.group_size):

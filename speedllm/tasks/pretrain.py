@@ -8,11 +8,11 @@ import math
 import time
 
 from speedllm import storage
-from speedllm.checkpoint.dcp import Checkpointer, latest_checkpoint
+from speedllm.checkpoint.dcp import latest_checkpoint
 from speedllm.runtime import Runtime, seed_everything
-from speedllm.train.build import build_training, grad_accum_steps, to_device
+from speedllm.train.build import build_training, grad_accum_steps, to_device, training_loop
 from speedllm.train.faults import BadSteps, Preemption
-from speedllm.train.metrics import MetricsLogger, expert_load_metrics, flops_per_token, mfu, peak_memory_gb
+from speedllm.train.metrics import expert_load_metrics, flops_per_token, mfu, peak_memory_gb
 from speedllm.train.samples import print_samples
 from speedllm.train.state import extra_state
 from speedllm.train.step import evaluate, train_step
@@ -25,7 +25,7 @@ def run(cfg, rt: Runtime) -> None:
     dp_rank, dp_size, group = rt.dims.coords("dp")
     accum = grad_accum_steps(t, dp_size)
     pm, optimizer, scheduler, loader, autocast, step, resume_from = build_training(cfg, rt)
-    checkpointer = Checkpointer(ck.dir, ck.keep, ck.async_save)
+    logger, checkpointer, stop_at = training_loop(cfg, rt, step)
 
     def checkpoint() -> None:
         extra = extra_state(step, scheduler, loader, rt.device)
@@ -36,11 +36,10 @@ def run(cfg, rt: Runtime) -> None:
     tokens_per_step = t.global_batch_size * t.seq_len
     flops_tok = flops_per_token(cfg.model, t.seq_len)
     peak_tflops = cfg.hardware.peak_tflops[cfg.hardware.dtype]
-    logger = MetricsLogger(cfg.run_dir, t.steps, step, rt.is_main, cfg.logging.tensorboard, cfg.logging.progress_bar)
     bad = BadSteps(t.max_bad_steps)
-    stop_at = min(t.steps, step + t.stop_after) if t.stop_after > 0 else t.steps
     window_losses, window_time, window_steps = [], 0.0, 0
     last_saved = step if resume_from is not None else None
+    first_step = step
     try:
         with Preemption() as preemption:
             while step < stop_at:
@@ -51,6 +50,8 @@ def run(cfg, rt: Runtime) -> None:
                                                  autocast)
                 step += 1
                 window_time += time.perf_counter() - start  # .item() above synchronized the device
+                if pm.pipeline is not None and step == first_step + 1:
+                    logger.message(pm.pipeline.describe())  # the schedule that ran and where its stages are
                 window_steps += 1
                 bad.record(ok, step)
                 if ok:

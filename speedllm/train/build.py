@@ -11,11 +11,14 @@ from typing import Any, Dict, NamedTuple, Optional
 import torch
 
 from speedllm.adapters.lora import adapter_fn, init_adapters
+from speedllm.checkpoint.dcp import Checkpointer
+from speedllm.checkpoint.hf import load_hf_weights
 from speedllm.hardware import DTYPES
 from speedllm.models.moe import take_expert_load
 from speedllm.parallel import ParallelModel, materialize, output_loss_for, parallelize
 from speedllm.parallel.offload import states_to_host
-from speedllm.runtime import Runtime
+from speedllm.runtime import Runtime, seed_everything
+from speedllm.train.metrics import MetricsLogger
 from speedllm.train.optimizer import build_optimizer
 from speedllm.train.schedule import build_scheduler
 from speedllm.train.state import restore
@@ -36,7 +39,6 @@ def meta_model(cfg, rt: Runtime, adapt=None) -> ParallelModel:
         model = Qwen3(cfg.model, ops=cfg.hardware.ops, output_loss=output_loss_for(dims),
                       loss_chunk_size=cfg.train.loss_chunk_size)
     return parallelize(model, dims, cfg.parallel, cfg.train, DTYPES[cfg.hardware.dtype], rt.device, cfg.quant, adapt)
-
 
 
 def build_model(cfg, rt: Runtime) -> ParallelModel:
@@ -97,3 +99,28 @@ def build_training(cfg, rt: Runtime, loader=None) -> Training:
     if cfg.parallel.offload == "optimizer":  # a checkpoint's states were loaded onto the device
         states_to_host(optimizer)
     return Training(pm, optimizer, scheduler, loader, autocast, step, resume_from)
+
+
+def frozen_reference(cfg, rt: Runtime) -> torch.nn.Module:
+    """The starting weights, frozen (DPO's and GRPO's reference model): built under the job's layout from the
+    seed and loaded from checkpoint.load_hf, as the policy is."""
+    seed_everything(cfg.seed)
+    reference = build_model(cfg, rt).module
+    if cfg.checkpoint.load_hf is not None:
+        load_hf_weights(reference, cfg.checkpoint.load_hf)
+    return reference.requires_grad_(False)
+
+
+class Loop(NamedTuple):
+    """What a training task's loop reports to and saves through, and the step it stops after."""
+
+    logger: MetricsLogger
+    checkpointer: Checkpointer
+    stop_at: int  # train.steps, or train.stop_after steps after the one it starts from
+
+
+def training_loop(cfg, rt: Runtime, step: int) -> Loop:
+    t, ck, log = cfg.train, cfg.checkpoint, cfg.logging
+    logger = MetricsLogger(cfg.run_dir, t.steps, step, rt.is_main, log.tensorboard, log.progress_bar)
+    stop_at = min(t.steps, step + t.stop_after) if t.stop_after > 0 else t.steps
+    return Loop(logger, Checkpointer(ck.dir, ck.keep, ck.async_save), stop_at)

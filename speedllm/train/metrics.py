@@ -21,7 +21,7 @@ from torch import nn
 
 from speedllm.models.moe import load_figures, take_expert_load
 from speedllm.models.qwen3 import is_moe_layer
-from speedllm.outputs import write_text_atomic
+from speedllm.storage import write_text_atomic
 
 
 def matmul_params_per_token(model: DictConfig) -> int:

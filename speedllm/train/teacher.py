@@ -89,16 +89,14 @@ def check_teacher(cfg: DictConfig) -> TeacherSource:
 
 
 def teacher_run_config(cfg, source: TeacherSource):
-    """The run config (typed, speedllm.config.schema) the teacher is built with: the job's layout and dtype, the
+    """The run config (the typed run a task is given) the teacher is built with: the job's layout and dtype, the
     teacher's model, plain full weights (no adapters, no quantization-aware training, no recompute: it never runs
     backward)."""
     from dataclasses import replace
 
-    from speedllm.config.schema import FinetuneConfig, QuantConfig, typed
-
-    cfg = typed(cfg)
     load_hf, load = (source.path, None) if source.hf else (None, source.path)
-    return replace(cfg, model=OmegaConf.to_object(source.model), finetune=FinetuneConfig(), quant=QuantConfig(),
+    return replace(cfg, model=OmegaConf.to_object(source.model), finetune=type(cfg.finetune)(),
+                   quant=type(cfg.quant)(),
                    train=replace(cfg.train, recompute="none", compile=False, activation_offload=False),
                    parallel=replace(cfg.parallel, offload="none"),
                    checkpoint=replace(cfg.checkpoint, load_hf=load_hf, load=load))
