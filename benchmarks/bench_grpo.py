@@ -111,7 +111,7 @@ def main(argv=None) -> None:
         save_model(tmp / "model", args.layers)
         times = {"ours": ours(tmp / "model", tmp / "ours", args)}
         child = subprocess.run([sys.executable, "-m", "benchmarks", "grpo", "--child", "trl", "--model",
-                                str(tmp / "model"), "--out", str(tmp / "trl"), *(argv or sys.argv[1:])],
+                                str(tmp / "model"), "--out", str(tmp / "trl"), *(argv or [])],
                                check=True, capture_output=True, text=True, cwd=REPO)
         times["trl"] = json.loads(child.stdout.strip().splitlines()[-1])
     counted = {name: t[1:] or t for name, t in times.items()}
