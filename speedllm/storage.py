@@ -25,7 +25,6 @@ Location = Union[str, Path]
 EXTRAS = {"s3": "s3", "s3a": "s3"}
 
 
-
 def write_text_atomic(path: Path, text: str, key: str) -> None:
     """Write `path` under a temporary name, flushed to disk, and rename it, so a reader never sees half a file.
 
@@ -51,6 +50,7 @@ def write_text_atomic(path: Path, text: str, key: str) -> None:
                         f"{key}") from None
     finally:
         tmp.unlink(missing_ok=True)
+
 
 def is_url(path: Location) -> bool:
     return "://" in str(path)

@@ -98,8 +98,8 @@ def build_rank(cfg, rank: int, world: int) -> RankReport:
     report.params = sum(local_bytes(p) for p in pm.module.parameters())
     for group in optimizer.param_groups:
         for p in group["params"]:
+            report.grads += local_bytes(p)  # FSDP2 reduce-scatters to the param's shard
             local = p.to_local() if isinstance(p, DTensor) else p
-            report.grads += local.numel() * local.element_size()  # FSDP2 reduce-scatters to the param's shard
             report.optimizer += (state_numel(cfg.optim, tuple(local.shape), group.get("muon", False))
                                  * local.element_size())
     if cfg.finetune.name == "full":
