@@ -13,7 +13,8 @@ ships, alone in its own process, with torch's default threads:
   trl    GRPOTrainer(model=<dir>, reward_funcs=math_answer, GRPOConfig(per_device_train_batch_size=prompts x group,
          num_generations=group, max_completion_length=new tokens, beta=0, use_cpu=True, bf16 per --dtype)):
          transformers' generate, then its loss; a step's wall time is between consecutive on_step_end callbacks
-The first step of each (start-up, first allocations) is not counted; the median of the rest is reported.
+The first step of each (start-up, first allocations) is not counted; the median of the rest is reported, with
+each process's peak resident set size (ru_maxrss: the Python runtime and its imports included).
 --dry: 2 steps of 2 prompts x 2 completions, 4 new tokens, a 2-layer model.
 """
 
@@ -26,7 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import REPO, make_parser, parse
+from benchmarks.bench_quant_memory import CHILD_PEAK
+from benchmarks.common import REPO, GiB, make_parser, parse
 from speedllm.paths import ASSETS
 
 DEMO_TOKENIZER = ASSETS / "tokenizers" / "demo"
@@ -47,23 +49,26 @@ def save_model(path: Path, layers: int) -> None:
         shutil.copy(file, path / file.name)
 
 
-def ours(model: Path, run_dir: Path, args) -> list:
-    """Seconds per step of our task=grpo (its rl/step_s)."""
-    subprocess.run([sys.executable, str(REPO / "launch.py"), "task=grpo", "model=hf", f"checkpoint.load_hf={model}",
-                    "data=rl_demo", "hardware=cpu", f"hardware.dtype={args.dtype}", f"hydra.run.dir={run_dir}",
-                    f"train.steps={args.steps}", f"rl.prompts_per_step={args.prompts}", f"rl.group_size={args.group}",
-                    f"rl.max_new_tokens={args.new_tokens}", f"optim.lr={LR}", "optim.min_lr=0", "optim.warmup_steps=0",
-                    "optim.schedule=constant",
-                    "rl.rewards=[{_target_: speedllm.train.rewards.math_answer, weight: 1.0}]",
-                    "checkpoint.save_final=false", "logging.progress_bar=false", "logging.tensorboard=false",
-                    "train.log_every=1000"],
-                   check=True, stdout=subprocess.DEVNULL, cwd=run_dir.parent)
+def ours(model: Path, run_dir: Path, args) -> tuple:
+    """Seconds per step of our task=grpo (its rl/step_s) and the launch process's peak RSS in GiB."""
+    argv = [str(REPO / "launch.py"), "task=grpo", "model=hf", f"checkpoint.load_hf={model}", "data=rl_demo",
+            "hardware=cpu", f"hardware.dtype={args.dtype}", f"hydra.run.dir={run_dir}", f"train.steps={args.steps}",
+            f"rl.prompts_per_step={args.prompts}", f"rl.group_size={args.group}",
+            f"rl.max_new_tokens={args.new_tokens}", f"optim.lr={LR}", "optim.min_lr=0", "optim.warmup_steps=0",
+            "optim.schedule=constant", "rl.rewards=[{_target_: speedllm.train.rewards.math_answer, weight: 1.0}]",
+            "checkpoint.save_final=false", "logging.progress_bar=false", "logging.tensorboard=false",
+            "train.log_every=1000"]
+    out = subprocess.run([sys.executable, "-c", CHILD_PEAK, sys.executable, *argv],
+                         check=True, capture_output=True, text=True, cwd=run_dir.parent)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [row["rl/step_s"] for row in rows if "rl/step_s" in row]
+    peak = int(out.stdout.split()[-1]) * 1024 / GiB  # ru_maxrss is in KiB
+    return [row["rl/step_s"] for row in rows if "rl/step_s" in row], peak
 
 
-def trl(model: Path, out_dir: Path, args) -> list:
-    """Seconds per step of TRL's GRPOTrainer."""
+def trl(model: Path, out_dir: Path, args) -> tuple:
+    """Seconds per step of TRL's GRPOTrainer and this process's peak RSS in GiB."""
+    import resource
+
     from datasets import load_dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -88,7 +93,8 @@ def trl(model: Path, out_dir: Path, args) -> list:
                           callbacks=[clock])
     clock.times = [time.perf_counter()]
     trainer.train()
-    return [b - a for a, b in zip(clock.times, clock.times[1:])]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB  # ru_maxrss is in KiB
+    return [b - a for a, b in zip(clock.times, clock.times[1:])], peak
 
 
 def main(argv=None) -> None:
@@ -109,19 +115,19 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         save_model(tmp / "model", args.layers)
-        times = {"ours": ours(tmp / "model", tmp / "ours", args)}
+        runs = {"ours": ours(tmp / "model", tmp / "ours", args)}
         child = subprocess.run([sys.executable, "-m", "benchmarks", "grpo", "--child", "trl", "--model",
                                 str(tmp / "model"), "--out", str(tmp / "trl"), *(argv or [])],
                                check=True, capture_output=True, text=True, cwd=REPO)
-        times["trl"] = json.loads(child.stdout.strip().splitlines()[-1])
-    counted = {name: t[1:] or t for name, t in times.items()}
+        runs["trl"] = json.loads(child.stdout.strip().splitlines()[-1])
+    counted = {name: t[1:] or t for name, (t, _) in runs.items()}
     print(f"\ngrpo: {args.prompts} prompts x {args.group} completions, <= {args.new_tokens} new tokens, {args.layers} "
-          f"layers x 256, {args.dtype}, {len(times['ours'])} steps (first not counted)")
-    print("| system | s/step (median) | steps/s |\n|---|---|---|")
+          f"layers x 256, {args.dtype}, {len(runs['ours'][0])} steps (first not counted)")
+    print("| system | s/step (median) | steps/s | peak RSS GiB |\n|---|---|---|---|")
     for name, t in counted.items():
-        print(f"| {name} | {statistics.median(t):.3f} | {1 / statistics.median(t):.2f} |")
+        print(f"| {name} | {statistics.median(t):.3f} | {1 / statistics.median(t):.2f} | {runs[name][1]:.2f} |")
     ratio = statistics.median(counted["trl"]) / statistics.median(counted["ours"])
-    print(f"ours / trl: steps/s x{ratio:.2f}")
+    print(f"ours / trl: steps/s x{ratio:.2f}, peak memory x{runs['ours'][1] / runs['trl'][1]:.2f}")
 
 
 if __name__ == "__main__":

@@ -221,6 +221,8 @@ def test_bad_input_is_one_line_before_launch(models, tmp_path, launch):
         ([f"distill.teacher={models[0]}", "distill.top_k=5", "distill.loss=reverse_kl"], "is infinite where the "
          "student puts mass outside the teacher's top k"),
         ([f"distill.teacher={tmp_path / 'nowhere'}"], "does not exist"),
+        ([f"distill.teacher={models[0]}", "distill.teacher_quant=int8_wo", "parallel=tp2",
+          "launcher.nproc_per_node=2"], "distill.teacher_quant=int8_wo quantizes a whole teacher, but parallel=tp2"),
     ]
     for overrides, message in cases:
         cfg = compose_config("hardware=cpu", "task=distill", *overrides)
@@ -255,3 +257,56 @@ def test_planner_counts_the_teacher(models):
         (with_teacher,), (without,) = distill.rank_memories(layout), plain.rank_memories(layout)
         assert with_teacher.teacher == expected
         assert with_teacher.total == without.total + expected
+
+
+def test_int8_teacher_equals_torchao_int8_weight_only(models, tmp_path, launch):
+    """distill.teacher_quant=int8_wo through launch.py: the step's KL to the teacher equals the KL to the
+    transformers teacher whose decoder projections torchao's Int8WeightOnlyConfig quantized; the planner and
+    task=dryrun count its projections at one byte a weight (plus a scale a row), and shard-free layouts only."""
+    import json
+
+    from test_train_loop import TINY
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    from transformers import AutoModelForCausalLM
+
+    from speedllm.config import compose_config
+    from speedllm.data.loader import build_loader
+    from speedllm.models.config import PROJECTIONS
+    from speedllm.planner.layout import Layout
+    from speedllm.planner.search import Planner, problem_from_config
+
+    teacher_dir, student_dir = models
+    run = [o for o in TINY if not o.startswith("model")]
+    overrides = [*run, *DISTILL, "model=hf", f"checkpoint.load_hf={student_dir}", f"distill.teacher={teacher_dir}",
+                 "distill.teacher_quant=int8_wo"]
+    code, out, err = launch(tmp_path / "run", *overrides)
+    assert code == 0, err[-2000:]
+    train = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+
+    teacher, student = (AutoModelForCausalLM.from_pretrained(d).eval() for d in models)
+    full = [p.numel() for p in teacher.parameters()]  # the tied embedding once
+    projections = [m.weight.shape for n, m in teacher.named_modules() if n.rsplit(".", 1)[-1] in PROJECTIONS]
+    quantize_(teacher, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn.rsplit(".", 1)[-1] in PROJECTIONS)
+    cfg = compose_config(*overrides, f"run_dir={tmp_path / 'run'}")
+    loader = build_loader(cfg, "train", 0, 1, cfg.train.micro_batch_size, cfg.train.seq_len, cfg.seed)
+    batches = [next(loader) for _ in range(2)]  # the step's 2 micro-batches
+    tokens, labels = (torch.cat([b[k] for b in batches]) for k in ("tokens", "labels"))
+    with torch.no_grad():
+        s, t = student(tokens).logits, teacher(tokens).logits
+    keep = labels != IGNORE_INDEX
+    kl = F.kl_div(F.log_softmax(s[keep], -1), F.log_softmax(t[keep], -1), reduction="batchmean", log_target=True)
+    assert train["distill/kl"] == pytest.approx(kl.item(), rel=1e-5)
+
+    expected = 4 * sum(full) - sum(3 * o * i - 4 * o for o, i in projections)
+    problem = problem_from_config(compose_config("hardware=cpu", "hardware.dtype=float32", "task=distill",
+                                                 f"distill.teacher={teacher_dir}", "distill.teacher_quant=int8_wo"), 2)
+    planner = Planner(problem)
+    (memory,) = planner.rank_memories(Layout(dp=1))
+    assert memory.teacher == expected
+    assert "quantizes a whole teacher" in planner.invalid_reason(Layout(tp=2))
+    assert "quantizes a whole teacher" in planner.invalid_reason(Layout(dp=2))
+    assert planner.invalid_reason(Layout(dp=2, fsdp=False)) is None
+    code, out, err = launch(tmp_path / "dry", "task=dryrun", "hardware=cpu", "hardware.dtype=float32",
+                            f"distill.teacher={teacher_dir}", "distill.teacher_quant=int8_wo")
+    assert code == 0, err[-2000:]
+    assert f"teacher weights {expected / 2**20:.1f} MiB (= task=plan's)" in out

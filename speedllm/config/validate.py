@@ -23,6 +23,7 @@ from speedllm.parallel.rules import (
     PP_SCHEDULES,
     batch_errors,
     compile_errors,
+    distill_layout_errors,
     divisors,
     inference_layout_errors,
     layout_errors,
@@ -62,6 +63,7 @@ CHOICES = {
     "rl.loss_agg": ("seq_mean", "token_mean", "constant"),
     "rl.importance": ("token", "sequence"),
     "distill.loss": LOSSES,
+    "distill.teacher_quant": ("none", "int8_wo"),
 }
 LORA_TARGETS = (*PROJECTIONS, "experts")
 
@@ -400,9 +402,9 @@ def check_distill(cfg: DictConfig) -> None:
     from speedllm.train.teacher import check_teacher
 
     d, p = cfg.distill, cfg.parallel
-    if p.pp > 1 or p.cp > 1:
-        raise UserError(f"task=distill runs without pipeline stages or context parallelism (parallel.pp={p.pp}, "
-                        f"parallel.cp={p.cp}); use parallel.pp=1 and parallel.cp=1 (fsdp / tp layouts)")
+    for error in distill_layout_errors(pp=p.pp, cp=p.cp, tp=p.tp, dp=p.dp, fsdp=p.fsdp, teacher_quant=d.teacher_quant,
+                                       name=p.name):
+        raise UserError(error)
     if d.top_k is not None and d.top_k > cfg.model.vocab_size:
         raise UserError(f"distill.top_k={d.top_k} exceeds the vocabulary ({cfg.model.vocab_size}); use a smaller k, "
                         "or distill.top_k=null for the whole distribution")

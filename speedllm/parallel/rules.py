@@ -194,6 +194,20 @@ def qlora_layout_errors(*, tp: int, pp: int, cp: int, ep: int, dp: int, fsdp: bo
     return []
 
 
+def distill_layout_errors(*, pp: int, cp: int, tp: int, dp: int, fsdp: bool, teacher_quant: str = "none",
+                          name: str = "") -> List[str]:
+    """task=distill runs without pipeline stages or context parallelism; a quantized teacher is whole on every rank
+    (distill.teacher_quant quantizes unsharded weights)."""
+    if pp > 1 or cp > 1:
+        return [f"task=distill runs without pipeline stages or context parallelism (parallel.pp={pp}, "
+                f"parallel.cp={cp}); use parallel.pp=1 and parallel.cp=1 (fsdp / tp layouts)"]
+    if teacher_quant != "none" and (tp > 1 or fsdp and dp > 1):
+        return [f"distill.teacher_quant={teacher_quant} quantizes a whole teacher, but parallel={name or 'the layout'} "
+                f"shards it (tp={tp}, dp={dp}, fsdp={fsdp}); use distill.teacher_quant=none to shard the teacher, "
+                "or parallel.tp=1 with parallel.fsdp=false (each rank holds the whole int8 teacher)"]
+    return []
+
+
 def inference_layout_errors(task: str, *, pp: int, cp: int, ep: int) -> List[str]:
     """Inference places the model with tensor parallelism only; data-parallel ranks split the prompts."""
     if pp > 1 or cp > 1 or ep > 1:

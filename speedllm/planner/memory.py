@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from speedllm.hardware import DTYPES
+from speedllm.models.config import PROJECTIONS
 from speedllm.ops.loss import chunk_rows
 from speedllm.parallel.fsdp import expert_shard_dim
 from speedllm.parallel.pipeline import stages_of_rank
@@ -580,16 +581,23 @@ def rank_memory(m, layout: Layout, sp: StageParams, pp_rank: int, seq_len: int,
     return mem
 
 
-def teacher_bytes(teacher_cfg, layout: Layout, dtype: str, gathered: bool = True) -> float:
+def teacher_bytes(teacher_cfg, layout: Layout, dtype: str, gathered: bool = True, quant: str = "none") -> float:
     """task=distill: a rank's bytes of the frozen teacher (speedllm.train.teacher), built like the student under the
     layout's TP and FSDP2 (no pipeline stages): its fp32 weights, sharded, plus under FSDP2 its root unit
     (embedding, final norm, output projection) gathered in `dtype` while the student's loss reads it. No gradients,
     no optimizer states, and its activations are those of one forward without saved tensors (not counted).
-    gathered=False: the weights alone (what task=dryrun finds on a rank)."""
-    sp = rank_params(model_tensors(teacher_cfg), replace(layout, pp=1, vpp=1), [teacher_cfg.num_hidden_layers], 0)
+    gathered=False: the weights alone (what task=dryrun finds on a rank). quant=int8_wo (distill.teacher_quant, a
+    whole teacher): its dense decoder projections in one byte a weight plus an fp32 scale a row."""
+    mt = model_tensors(teacher_cfg)
+    sp = rank_params(mt, replace(layout, pp=1, vpp=1), [teacher_cfg.num_hidden_layers], 0)
     dense_fsdp, _ = fsdp_degrees(layout)
     root = sp.root_gathered * DTYPES[dtype].itemsize if gathered and layout.fsdp and dense_fsdp > 1 else 0.0
-    return sp.sharded * MASTER_BYTES + root
+    saved = 0.0
+    if quant == "int8_wo":
+        projections = [t.shape for kind in (mt.layer_kinds[k] for k in mt.layer_kind) for t in kind
+                       if not t.expert and t.name.rsplit(".", 2)[-2] in PROJECTIONS]
+        saved = sum((MASTER_BYTES - 1) * rows * cols - 4 * rows for rows, cols in projections)
+    return sp.sharded * MASTER_BYTES + root - saved
 
 
 def rollout_cache_bytes(m, layout: Layout, rows: int, seq_len: int, dtype: str) -> float:

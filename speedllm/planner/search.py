@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from speedllm.hardware import DTYPES
 from speedllm.parallel.rules import (
     batch_errors,
+    distill_layout_errors,
     divisors,
     layout_errors,
     offload_errors,
@@ -68,6 +69,8 @@ class Problem:
     # a frozen model held beside the trained one (ModelConfig fields): task=distill's teacher, or task=grpo's
     # reference copy of the model (rl.kl_coef != 0 with full fine-tuning)
     teacher: object = None
+    distill: bool = False  # task=distill: its layout rules (speedllm.parallel.rules.distill_layout_errors)
+    teacher_quant: str = "none"  # distill.teacher_quant
     rollout_rows: int = 0  # task=grpo: completions sampled per step (rl.prompts_per_step x rl.group_size)
     finetune: str = "full"  # finetune.name
 
@@ -145,7 +148,7 @@ class Planner:
                     for r, sp in enumerate(stages)]
         for memory in memories:
             if p.teacher is not None:
-                memory.teacher = teacher_bytes(p.teacher, layout, p.hardware.dtype)
+                memory.teacher = teacher_bytes(p.teacher, layout, p.hardware.dtype, quant=p.teacher_quant)
             if p.rollout_rows:
                 memory.rollout = rollout_cache_bytes(p.model, layout, p.rollout_rows, p.seq_len, p.hardware.dtype)
         return memories
@@ -192,6 +195,9 @@ class Planner:
                                         global_batch=p.global_batch, micro_batch=lay.micro_batch, dp=lay.dp)
         errors += offload_errors(lay.offload, fsdp=lay.fsdp, finetune=p.finetune, optimizer=p.optimizer)
         errors += optimizer_layout_errors(p.optimizer, lay.world)
+        if p.distill:
+            errors += distill_layout_errors(pp=lay.pp, cp=lay.cp, tp=lay.tp, dp=lay.dp, fsdp=lay.fsdp,
+                                            teacher_quant=p.teacher_quant)
         if p.finetune == "qlora":
             errors += qlora_layout_errors(tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, dp=lay.dp, fsdp=lay.fsdp)
         if lay.tp > p.hardware.devices_per_node:
@@ -282,6 +288,7 @@ def problem_from_config(cfg, world: int) -> Problem:
                    global_batch=cfg.train.global_batch_size, loss_chunk=cfg.train.loss_chunk_size,
                    efficiency=cfg.plan.compute_efficiency, memory_margin=cfg.plan.memory_margin, optim=cfg.optim,
                    allow_offload=cfg.plan.allow_offload, finetune=cfg.finetune.name, teacher=frozen_model(cfg),
+                   distill=cfg.task.name == "distill", teacher_quant=cfg.distill.teacher_quant,
                    rollout_rows=cfg.rl.prompts_per_step * cfg.rl.group_size if cfg.task.name == "grpo" else 0)
 
 

@@ -124,15 +124,16 @@ def quantize_for_inference(model: nn.Module, quant, tp_linear=None) -> nn.Module
 
 
 @torch.no_grad()
-def quantize_linears(module: nn.Module, quant, tp_linear=None) -> None:
+def quantize_linears(module: nn.Module, quant, tp_linear=None, device=None) -> None:
     """Quantize the linear layers of `module` (a model, or one layer of it) that quantization applies to.
 
     Under tensor parallelism each rank quantizes its own shards: `tp_linear(linear, quantize)` (the loader passes
     speedllm.parallel.tensor.quantize_tp_linear) makes the layer of a DTensor-sharded linear from `quantize`.
+    device: whose layers to use (default: the module's device; task=dryrun quantizes a meta-device model as CPU).
     """
 
     scheme = inference_scheme(quant.name)
-    own_kernels = own_cpu_layers(scheme, next(module.parameters()).device)
+    own_kernels = own_cpu_layers(scheme, device or next(module.parameters()).device)
 
     def quantize(linear: nn.Linear, group=None) -> nn.Module:
         if own_kernels:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import List, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
@@ -112,13 +113,18 @@ def build_rank(cfg, rank: int, world: int) -> RankReport:
 def built_teacher_bytes(cfg, rt) -> Tuple[int, int]:
     """(bytes of the frozen teacher's weights this rank holds, built as task=distill builds it
     (speedllm.train.teacher) on the meta device; the planner's bytes for them)."""
+    from speedllm.quant.int8 import Int8Linear
     from speedllm.train.build import meta_model
-    from speedllm.train.teacher import teacher_run_config, teacher_source
+    from speedllm.train.teacher import quantize_teacher, teacher_run_config, teacher_source
 
     tcfg = teacher_run_config(cfg, teacher_source(str(cfg.distill.teacher)))
-    held = sum(local_bytes(p) for p in meta_model(tcfg, rt).module.parameters())
+    teacher = meta_model(tcfg, rt).module
+    quantize_teacher(teacher, cfg.distill.teacher_quant, device=torch.device("cpu"))  # our int8 layers, on meta
+    int8 = [t for m in teacher.modules() if isinstance(m, Int8Linear) for t in (m.qweight, m.scale)]
+    held = sum(local_bytes(t) for t in [*teacher.parameters(), *int8])
     layout = layout_from_config(cfg.parallel, cfg.train)
-    return held, int(teacher_bytes(tcfg.model, layout, cfg.hardware.dtype, gathered=False))
+    return held, int(teacher_bytes(tcfg.model, layout, cfg.hardware.dtype, gathered=False,
+                                   quant=cfg.distill.teacher_quant))
 
 
 def local_bytes(p) -> int:

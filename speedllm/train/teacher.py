@@ -103,14 +103,29 @@ def teacher_run_config(cfg, source: TeacherSource):
 
 
 def build_teacher(cfg: DictConfig, rt) -> nn.Module:
-    """The frozen teacher on this rank: built under the job's layout, its weights loaded, in eval mode."""
+    """The frozen teacher on this rank: built under the job's layout, its weights loaded, in eval mode;
+    distill.teacher_quant=int8_wo then swaps its decoder projections for int8 ones (speedllm.quant: our CPU kernel,
+    torchao's on GPUs) and frees their full-precision weights."""
     from speedllm.generation.load import load_weights
     from speedllm.train.build import build_model
 
     tcfg = teacher_run_config(cfg, teacher_source(str(cfg.distill.teacher)))
     teacher = build_model(tcfg, rt).module
     load_weights(teacher, tcfg)
-    return teacher.requires_grad_(False).eval()
+    teacher.requires_grad_(False).eval()
+    quantize_teacher(teacher, cfg.distill.teacher_quant)
+    return teacher
+
+
+def quantize_teacher(teacher: nn.Module, scheme: str, device=None) -> None:
+    """distill.teacher_quant: the teacher's decoder projections in `scheme` (speedllm.quant.quantize_linears; on
+    CPUs our int8 layers, on GPUs torchao's); its embedding, output projection (read whole by the student's loss),
+    norms and MoE experts stay in full precision."""
+    from speedllm.config.schema import QuantConfig
+    from speedllm.quant import quantize_linears
+
+    if scheme != "none":
+        quantize_linears(teacher, QuantConfig(name=scheme), device=device)
 
 
 @contextmanager
