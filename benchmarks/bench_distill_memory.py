@@ -5,7 +5,7 @@
 Writes a random teacher (qwen3_tiny's layout, 512 wide, 6 layers, at the Qwen3 vocabulary) with transformers'
 save_pretrained under <scratch dir>, then runs the student (qwen3_tiny at the Qwen3 vocabulary) twice through
 launch.py on the SFT demo data, each under its own small parent process: `task=sft`, and `task=distill
-distill.teacher=<dir>`. Prints each peak resident set size (ru_maxrss of the parent's only child), the teacher's
+distill.teacher=<dir>`, then the latter with `distill.teacher_quant=int8_wo`. Prints each peak resident set size (ru_maxrss of the parent's only child), the teacher's
 weight bytes, and distill / (SFT + teacher weights), which the design keeps at most 1.3: the divergence is chunked
 like the loss (speedllm.train.distill_loss), so neither model's [tokens, vocabulary] logits are ever whole.
 --dry: a 8,192-entry vocabulary and one step, in a temporary scratch dir unless one is given.
@@ -60,14 +60,15 @@ def main(argv=None) -> None:
                   "train.seq_len=256", "train.micro_batch_size=2", "train.global_batch_size=2",
                   f"train.steps={args.steps}", "train.eval_every=0", "checkpoint.save_final=false",
                   "generate.num_samples=0", "logging.progress_bar=false"]
-        runs = {"sft": ["task=sft"], "distill": ["task=distill", f"distill.teacher={teacher}"]}
+        runs = {"sft": ["task=sft"], "distill": ["task=distill", f"distill.teacher={teacher}"],
+                "distill_int8": ["task=distill", f"distill.teacher={teacher}", "distill.teacher_quant=int8_wo"]}
         peaks = {}
         for name, overrides in runs.items():
             argv = [sys.executable, str(REPO / "launch.py"), *common, *overrides,
                     f"hydra.run.dir={scratch / ('run_' + name)}"]
             out = subprocess.run([sys.executable, "-c", CHILD_PEAK, *argv], check=True, capture_output=True, text=True)
             peaks[name] = int(out.stdout.split()[-1]) * 1024 / GiB  # ru_maxrss is in KiB
-            print(f"task={name:<8} peak RSS {peaks[name]:.3f} GiB", flush=True)
+            print(f"{name:<12} peak RSS {peaks[name]:.3f} GiB", flush=True)
         bound = peaks["sft"] + teacher_bytes / GiB
         print(f"teacher weights {teacher_bytes / GiB:.3f} GiB; distill / (sft + teacher weights) = "
               f"{peaks['distill'] / bound:.3f} (at most 1.3 by design), vocabulary {args.vocab:,}")

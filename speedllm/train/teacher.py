@@ -103,29 +103,57 @@ def teacher_run_config(cfg, source: TeacherSource):
 
 
 def build_teacher(cfg: DictConfig, rt) -> nn.Module:
-    """The frozen teacher on this rank: built under the job's layout, its weights loaded, in eval mode;
-    distill.teacher_quant=int8_wo then swaps its decoder projections for int8 ones (speedllm.quant: our CPU kernel,
-    torchao's on GPUs) and frees their full-precision weights."""
+    """The frozen teacher on this rank: built under the job's layout, its weights loaded, in eval mode (with
+    distill.teacher_quant: whole, quantized while it is read, load_quantized_teacher)."""
     from speedllm.generation.load import load_weights
     from speedllm.train.build import build_model
 
     tcfg = teacher_run_config(cfg, teacher_source(str(cfg.distill.teacher)))
-    teacher = build_model(tcfg, rt).module
-    load_weights(teacher, tcfg)
-    teacher.requires_grad_(False).eval()
-    quantize_teacher(teacher, cfg.distill.teacher_quant)
+    if cfg.distill.teacher_quant != "none":
+        teacher = load_quantized_teacher(tcfg, cfg.distill.teacher_quant, rt.device)
+    else:
+        teacher = build_model(tcfg, rt).module
+        load_weights(teacher, tcfg)
+    return teacher.requires_grad_(False).eval()
+
+
+def load_quantized_teacher(tcfg, scheme: str, device: torch.device) -> nn.Module:
+    """A whole teacher (plain modules: nothing of it is sharded, so no layout applies) read piece by piece from its
+    weights, each decoder layer's projections quantized as soon as the layer is read, so the full-precision teacher
+    never exists whole (as speedllm.generation.load.load_quantized does for inference; here the embedding and output
+    projection stay full precision, the student's loss reads the output weight)."""
+    from speedllm.generation.load import WeightSource, trim_heap
+    from speedllm.models.moe import take_expert_load
+    from speedllm.models.qwen3 import Qwen3
+
+    with torch.device("meta"):
+        teacher = Qwen3(tcfg.model, ops=tcfg.hardware.ops)
+    source = WeightSource(tcfg, teacher.cfg)
+    parts = {"embed_tokens": teacher.embed_tokens, "norm": teacher.norm}
+    if not teacher.cfg.tie_word_embeddings:
+        parts["lm_head"] = teacher.lm_head
+    for prefix, part in parts.items():
+        part.to_empty(device=device)
+        source.fill(part, prefix + ".")
+    teacher.tie_embeddings()
+    for key, layer in teacher.layers.items():
+        layer.to_empty(device=device)
+        source.fill(layer, f"layers.{key}.")
+        quantize_teacher(layer, scheme)
+        trim_heap()
+    take_expert_load(teacher)  # MoE load tallies from zero (to_empty left them unset)
     return teacher
 
 
-def quantize_teacher(teacher: nn.Module, scheme: str, device=None) -> None:
-    """distill.teacher_quant: the teacher's decoder projections in `scheme` (speedllm.quant.quantize_linears; on
-    CPUs our int8 layers, on GPUs torchao's); its embedding, output projection (read whole by the student's loss),
-    norms and MoE experts stay in full precision."""
+def quantize_teacher(module: nn.Module, scheme: str, device=None) -> None:
+    """distill.teacher_quant: the decoder projections of `module` (the teacher, or one of its layers) in `scheme`
+    (speedllm.quant.quantize_linears: on CPUs our int8 layers, on GPUs torchao's); embeddings, output projection,
+    norms and MoE experts stay in full precision. device: whose layers (default: the module's)."""
     from speedllm.config.schema import QuantConfig
     from speedllm.quant import quantize_linears
 
     if scheme != "none":
-        quantize_linears(teacher, QuantConfig(name=scheme), device=device)
+        quantize_linears(module, QuantConfig(name=scheme), device=device)
 
 
 @contextmanager
