@@ -265,6 +265,8 @@ def test_int8_teacher_equals_torchao_int8_weight_only(models, tmp_path, launch):
     task=dryrun count its projections at one byte a weight (plus a scale a row), and shard-free layouts only."""
     import json
 
+    from dataclasses import replace
+
     from test_train_loop import TINY
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
     from transformers import AutoModelForCausalLM
@@ -306,6 +308,11 @@ def test_int8_teacher_equals_torchao_int8_weight_only(models, tmp_path, launch):
     assert "quantizes a whole teacher" in planner.invalid_reason(Layout(tp=2))
     assert "quantizes a whole teacher" in planner.invalid_reason(Layout(dp=2))
     assert planner.invalid_reason(Layout(dp=2, fsdp=False)) is None
+    replicated = Planner(replace(problem, teacher_parallel="replicate"))  # the student under FSDP2, the teacher whole
+    assert replicated.invalid_reason(Layout(dp=2)) is None
+    assert "distill.teacher_parallel=replicate keeps the teacher whole" in replicated.invalid_reason(Layout(tp=2))
+    (memory,) = replicated.rank_memories(Layout(dp=2))
+    assert memory.teacher == expected
     code, out, err = launch(tmp_path / "dry", "task=dryrun", "hardware=cpu", "hardware.dtype=float32",
                             f"distill.teacher={teacher_dir}", "distill.teacher_quant=int8_wo")
     assert code == 0, err[-2000:]

@@ -1,6 +1,7 @@
 """task=distill under FSDP2 and TP2 (CPU/gloo, through the launcher): the student sharded, the teacher sharded
 likewise (FSDP2 gathering its output weight for the loss; TP's vocabulary rows, the divergence reduced over the
-tensor axis), 3 steps equal the single process within 1e-5 relative: loss and every distill/ metric."""
+tensor axis) or whole on each rank (FSDP2 with distill.teacher_parallel=replicate), 3 steps equal the single
+process within 1e-5 relative: loss and every distill/ metric."""
 
 import json
 
@@ -13,7 +14,8 @@ pytestmark = pytest.mark.distributed
 # jsd with a CE share, a top-k teacher and chunks of 16 positions: every reduction of the vocabulary-parallel loss
 DISTILL = ["task=distill", "distill.loss=jsd", "distill.beta=0.3", "distill.temperature=2.0", "distill.top_k=50",
            "distill.ce_weight=0.1", "train.loss_chunk_size=16", "train.stop_after=3", "optim.lr=1e-2"]
-LAYOUTS = ["fsdp2", "tp2"]
+LAYOUTS = {"fsdp2": ["parallel=fsdp2"], "tp2": ["parallel=tp2"],
+           "fsdp2_whole_teacher": ["parallel=fsdp2", "distill.teacher_parallel=replicate"]}
 
 
 def records(run_dir) -> list:
@@ -24,7 +26,8 @@ def records(run_dir) -> list:
 def test_fsdp2_and_tp2_equal_the_single_process(tmp_path, launch_here, launch_ranks):
     teacher = save_hf("dense_tied", tmp_path / "teacher", max_shard_size="1MB", vocab_size=8192)
     run = [*DENSE, *DISTILL, f"distill.teacher={teacher}"]
-    run_all({tmp_path / name: [*run, f"parallel={name}"] for name in ["single", *LAYOUTS]}, launch_here, launch_ranks)
+    layouts = {"single": ["parallel=single"], **LAYOUTS}
+    run_all({tmp_path / name: [*run, *layout] for name, layout in layouts.items()}, launch_here, launch_ranks)
     expected = records(tmp_path / "single")
     assert len(expected) == 3 and expected[-1]["distill/loss"] < expected[0]["distill/loss"]
     for layout in LAYOUTS:

@@ -329,6 +329,9 @@ class DistillConfig:
     ce_weight: float = 0.0  # loss = (1 - ce_weight) divergence + ce_weight cross-entropy on the labels
     top_k: Optional[int] = None  # keep the teacher's top_k tokens, renormalized; None: the whole distribution
     on_policy: float = 0.0  # fraction of steps on the student's own samples (GKD's lambda), reverse KL
+    # same: the teacher sharded like the student (FSDP2, TP) | replicate: whole on every rank, no gathers of it
+    # (a student without TP)
+    teacher_parallel: str = "same"
     # none | int8_wo: the teacher's decoder projections in int8 with one scale per output row (speedllm.quant), its
     # embedding, norms, output projection and MoE experts in full precision; a teacher whole on every rank only
     teacher_quant: str = "none"

@@ -63,6 +63,7 @@ CHOICES = {
     "rl.loss_agg": ("seq_mean", "token_mean", "constant"),
     "rl.importance": ("token", "sequence"),
     "distill.loss": LOSSES,
+    "distill.teacher_parallel": ("same", "replicate"),
     "distill.teacher_quant": ("none", "int8_wo"),
 }
 LORA_TARGETS = (*PROJECTIONS, "experts")
@@ -403,7 +404,7 @@ def check_distill(cfg: DictConfig) -> None:
 
     d, p = cfg.distill, cfg.parallel
     for error in distill_layout_errors(pp=p.pp, cp=p.cp, tp=p.tp, dp=p.dp, fsdp=p.fsdp, teacher_quant=d.teacher_quant,
-                                       name=p.name):
+                                       teacher_parallel=d.teacher_parallel, name=p.name):
         raise UserError(error)
     if d.top_k is not None and d.top_k > cfg.model.vocab_size:
         raise UserError(f"distill.top_k={d.top_k} exceeds the vocabulary ({cfg.model.vocab_size}); use a smaller k, "

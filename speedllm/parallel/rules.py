@@ -195,16 +195,20 @@ def qlora_layout_errors(*, tp: int, pp: int, cp: int, ep: int, dp: int, fsdp: bo
 
 
 def distill_layout_errors(*, pp: int, cp: int, tp: int, dp: int, fsdp: bool, teacher_quant: str = "none",
-                          name: str = "") -> List[str]:
-    """task=distill runs without pipeline stages or context parallelism; a quantized teacher is whole on every rank
-    (distill.teacher_quant quantizes unsharded weights)."""
+                          teacher_parallel: str = "same", name: str = "") -> List[str]:
+    """task=distill runs without pipeline stages or context parallelism; a whole teacher (distill.teacher_parallel=
+    replicate) goes with a student without TP (whose loss takes the teacher's output rows of its own rank); a
+    quantized teacher is whole on every rank (distill.teacher_quant quantizes unsharded weights)."""
     if pp > 1 or cp > 1:
         return [f"task=distill runs without pipeline stages or context parallelism (parallel.pp={pp}, "
                 f"parallel.cp={cp}); use parallel.pp=1 and parallel.cp=1 (fsdp / tp layouts)"]
-    if teacher_quant != "none" and (tp > 1 or fsdp and dp > 1):
+    if teacher_parallel == "replicate" and tp > 1:
+        return [f"distill.teacher_parallel=replicate keeps the teacher whole, but under parallel.tp={tp} the student's "
+                "loss takes the teacher's vocabulary rows of its own rank; use distill.teacher_parallel=same"]
+    if teacher_quant != "none" and teacher_parallel != "replicate" and (tp > 1 or fsdp and dp > 1):
         return [f"distill.teacher_quant={teacher_quant} quantizes a whole teacher, but parallel={name or 'the layout'} "
-                f"shards it (tp={tp}, dp={dp}, fsdp={fsdp}); use distill.teacher_quant=none to shard the teacher, "
-                "or parallel.tp=1 with parallel.fsdp=false (each rank holds the whole int8 teacher)"]
+                f"shards it (tp={tp}, dp={dp}, fsdp={fsdp}); add distill.teacher_parallel=replicate (without tensor "
+                "parallelism: each rank holds the whole int8 teacher), or use distill.teacher_quant=none"]
     return []
 
 

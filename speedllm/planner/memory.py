@@ -581,13 +581,17 @@ def rank_memory(m, layout: Layout, sp: StageParams, pp_rank: int, seq_len: int,
     return mem
 
 
-def teacher_bytes(teacher_cfg, layout: Layout, dtype: str, gathered: bool = True, quant: str = "none") -> float:
+def teacher_bytes(teacher_cfg, layout: Layout, dtype: str, gathered: bool = True, quant: str = "none",
+                  whole: bool = False) -> float:
     """task=distill: a rank's bytes of the frozen teacher (speedllm.train.teacher), built like the student under the
     layout's TP and FSDP2 (no pipeline stages): its fp32 weights, sharded, plus under FSDP2 its root unit
     (embedding, final norm, output projection) gathered in `dtype` while the student's loss reads it. No gradients,
     no optimizer states, and its activations are those of one forward without saved tensors (not counted).
     gathered=False: the weights alone (what task=dryrun finds on a rank). quant=int8_wo (distill.teacher_quant, a
-    whole teacher): its dense decoder projections in one byte a weight plus an fp32 scale a row."""
+    whole teacher): its dense decoder projections in one byte a weight plus an fp32 scale a row. whole
+    (distill.teacher_parallel=replicate): every rank holds all of it, nothing gathered."""
+    if whole:
+        layout = Layout()
     mt = model_tensors(teacher_cfg)
     sp = rank_params(mt, replace(layout, pp=1, vpp=1), [teacher_cfg.num_hidden_layers], 0)
     dense_fsdp, _ = fsdp_degrees(layout)

@@ -71,6 +71,7 @@ class Problem:
     teacher: object = None
     distill: bool = False  # task=distill: its layout rules (speedllm.parallel.rules.distill_layout_errors)
     teacher_quant: str = "none"  # distill.teacher_quant
+    teacher_parallel: str = "same"  # distill.teacher_parallel
     rollout_rows: int = 0  # task=grpo: completions sampled per step (rl.prompts_per_step x rl.group_size)
     finetune: str = "full"  # finetune.name
 
@@ -148,7 +149,8 @@ class Planner:
                     for r, sp in enumerate(stages)]
         for memory in memories:
             if p.teacher is not None:
-                memory.teacher = teacher_bytes(p.teacher, layout, p.hardware.dtype, quant=p.teacher_quant)
+                memory.teacher = teacher_bytes(p.teacher, layout, p.hardware.dtype, quant=p.teacher_quant,
+                                               whole=p.teacher_parallel == "replicate")
             if p.rollout_rows:
                 memory.rollout = rollout_cache_bytes(p.model, layout, p.rollout_rows, p.seq_len, p.hardware.dtype)
         return memories
@@ -197,7 +199,7 @@ class Planner:
         errors += optimizer_layout_errors(p.optimizer, lay.world)
         if p.distill:
             errors += distill_layout_errors(pp=lay.pp, cp=lay.cp, tp=lay.tp, dp=lay.dp, fsdp=lay.fsdp,
-                                            teacher_quant=p.teacher_quant)
+                                            teacher_quant=p.teacher_quant, teacher_parallel=p.teacher_parallel)
         if p.finetune == "qlora":
             errors += qlora_layout_errors(tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, dp=lay.dp, fsdp=lay.fsdp)
         if lay.tp > p.hardware.devices_per_node:
@@ -289,6 +291,7 @@ def problem_from_config(cfg, world: int) -> Problem:
                    efficiency=cfg.plan.compute_efficiency, memory_margin=cfg.plan.memory_margin, optim=cfg.optim,
                    allow_offload=cfg.plan.allow_offload, finetune=cfg.finetune.name, teacher=frozen_model(cfg),
                    distill=cfg.task.name == "distill", teacher_quant=cfg.distill.teacher_quant,
+                   teacher_parallel=cfg.distill.teacher_parallel,
                    rollout_rows=cfg.rl.prompts_per_step * cfg.rl.group_size if cfg.task.name == "grpo" else 0)
 
 

@@ -113,18 +113,23 @@ def build_rank(cfg, rank: int, world: int) -> RankReport:
 def built_teacher_bytes(cfg, rt) -> Tuple[int, int]:
     """(bytes of the frozen teacher's weights this rank holds, built as task=distill builds it
     (speedllm.train.teacher) on the meta device; the planner's bytes for them)."""
+    from speedllm.models.qwen3 import Qwen3
     from speedllm.quant.int8 import Int8Linear
     from speedllm.train.build import meta_model
-    from speedllm.train.teacher import quantize_teacher, teacher_run_config, teacher_source
+    from speedllm.train.teacher import quantize_teacher, teacher_run_config, teacher_source, whole_teacher
 
     tcfg = teacher_run_config(cfg, teacher_source(str(cfg.distill.teacher)))
-    teacher = meta_model(tcfg, rt).module
+    if whole_teacher(cfg):
+        with torch.device("meta"):
+            teacher = Qwen3(tcfg.model)
+    else:
+        teacher = meta_model(tcfg, rt).module
     quantize_teacher(teacher, cfg.distill.teacher_quant, device=torch.device("cpu"))  # our int8 layers, on meta
     int8 = [t for m in teacher.modules() if isinstance(m, Int8Linear) for t in (m.qweight, m.scale)]
     held = sum(local_bytes(t) for t in [*teacher.parameters(), *int8])
     layout = layout_from_config(cfg.parallel, cfg.train)
     return held, int(teacher_bytes(tcfg.model, layout, cfg.hardware.dtype, gathered=False,
-                                   quant=cfg.distill.teacher_quant))
+                                   quant=cfg.distill.teacher_quant, whole=cfg.distill.teacher_parallel == "replicate"))
 
 
 def local_bytes(p) -> int:

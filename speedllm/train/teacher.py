@@ -102,26 +102,33 @@ def teacher_run_config(cfg, source: TeacherSource):
                    checkpoint=replace(cfg.checkpoint, load_hf=load_hf, load=load))
 
 
+def whole_teacher(cfg) -> bool:
+    """Whether every rank holds the whole teacher as plain modules: distill.teacher_parallel=replicate, or an int8
+    teacher (which the layout rules allow only where the student's layout would not shard it)."""
+    return cfg.distill.teacher_parallel == "replicate" or cfg.distill.teacher_quant != "none"
+
+
 def build_teacher(cfg: DictConfig, rt) -> nn.Module:
-    """The frozen teacher on this rank: built under the job's layout, its weights loaded, in eval mode (with
-    distill.teacher_quant: whole, quantized while it is read, load_quantized_teacher)."""
+    """The frozen teacher on this rank, its weights loaded, in eval mode: built under the job's layout, or whole
+    (load_whole_teacher)."""
     from speedllm.generation.load import load_weights
     from speedllm.train.build import build_model
 
     tcfg = teacher_run_config(cfg, teacher_source(str(cfg.distill.teacher)))
-    if cfg.distill.teacher_quant != "none":
-        teacher = load_quantized_teacher(tcfg, cfg.distill.teacher_quant, rt.device)
+    if whole_teacher(cfg):
+        teacher = load_whole_teacher(tcfg, cfg.distill.teacher_quant, rt.device)
     else:
         teacher = build_model(tcfg, rt).module
         load_weights(teacher, tcfg)
     return teacher.requires_grad_(False).eval()
 
 
-def load_quantized_teacher(tcfg, scheme: str, device: torch.device) -> nn.Module:
-    """A whole teacher (plain modules: nothing of it is sharded, so no layout applies) read piece by piece from its
-    weights, each decoder layer's projections quantized as soon as the layer is read, so the full-precision teacher
-    never exists whole (as speedllm.generation.load.load_quantized does for inference; here the embedding and output
-    projection stay full precision, the student's loss reads the output weight)."""
+def load_whole_teacher(tcfg, scheme: str, device: torch.device) -> nn.Module:
+    """A whole teacher (plain modules: no layout applies, nothing is gathered) read piece by piece from its
+    weights; with scheme (distill.teacher_quant) each decoder layer's projections are quantized as soon as the
+    layer is read, so the full-precision teacher never exists whole (as speedllm.generation.load.load_quantized does
+    for inference; here the embedding and output projection stay full precision: the student's loss reads the
+    output weight)."""
     from speedllm.generation.load import WeightSource, trim_heap
     from speedllm.models.moe import take_expert_load
     from speedllm.models.qwen3 import Qwen3
