@@ -587,10 +587,10 @@ def teacher_bytes(teacher_cfg, layout: Layout, dtype: str, gathered: bool = True
     layout's TP and FSDP2 (no pipeline stages): its fp32 weights, sharded, plus under FSDP2 its root unit
     (embedding, final norm, output projection) gathered in `dtype` while the student's loss reads it. No gradients,
     no optimizer states, and its activations are those of one forward without saved tensors (not counted).
-    gathered=False: the weights alone (what task=dryrun finds on a rank). quant=int8_wo (distill.teacher_quant, a
-    whole teacher): its dense decoder projections in one byte a weight plus an fp32 scale a row. whole
-    (distill.teacher_parallel=replicate): every rank holds all of it, nothing gathered."""
-    if whole:
+    gathered=False: the weights alone (what task=dryrun finds on a rank). whole (distill.teacher_parallel=replicate)
+    or quant=int8_wo (distill.teacher_quant): every rank holds all of it, nothing gathered (speedllm.train.teacher.
+    whole_teacher); int8_wo: its dense decoder projections in one byte a weight plus an fp32 scale a row."""
+    if whole or quant != "none":
         layout = Layout()
     mt = model_tensors(teacher_cfg)
     sp = rank_params(mt, replace(layout, pp=1, vpp=1), [teacher_cfg.num_hidden_layers], 0)
