@@ -156,11 +156,12 @@ def quantize_teacher(module: nn.Module, scheme: str, device=None) -> None:
     """distill.teacher_quant: the decoder projections of `module` (the teacher, or one of its layers) in `scheme`
     (speedllm.quant.quantize_linears: on CPUs our int8 layers, on GPUs torchao's); embeddings, output projection,
     norms and MoE experts stay in full precision. device: whose layers (default: the module's)."""
-    from speedllm.config.schema import QuantConfig
+    from types import SimpleNamespace
+
     from speedllm.quant import quantize_linears
 
-    if scheme != "none":
-        quantize_linears(module, QuantConfig(name=scheme), device=device)
+    if scheme != "none":  # quantize_linears reads the quant section's name (int8: no group size)
+        quantize_linears(module, SimpleNamespace(name=scheme), device=device)
 
 
 @contextmanager
