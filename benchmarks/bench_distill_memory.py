@@ -3,11 +3,12 @@
     python -m benchmarks distill_memory <scratch dir> [--steps 2] [--dry]
 
 Writes a random teacher (qwen3_tiny's layout, 512 wide, 6 layers, at the Qwen3 vocabulary) with transformers'
-save_pretrained under <scratch dir>, then runs the student (qwen3_tiny at the Qwen3 vocabulary) twice through
-launch.py on the SFT demo data, each under its own small parent process: `task=sft`, and `task=distill
-distill.teacher=<dir>`, then the latter with `distill.teacher_quant=int8_wo`. Prints each peak resident set size (ru_maxrss of the parent's only child), the teacher's
-weight bytes, and distill / (SFT + teacher weights), which the design keeps at most 1.3: the divergence is chunked
-like the loss (speedllm.train.distill_loss), so neither model's [tokens, vocabulary] logits are ever whole.
+save_pretrained under <scratch dir>, then runs the student (qwen3_tiny at the Qwen3 vocabulary) three times through
+launch.py on the SFT demo data, each under its own small parent process: `task=sft`, `task=distill
+distill.teacher=<dir>`, and the latter with `distill.teacher_quant=int8_wo`. Prints each peak resident set size
+(ru_maxrss of the parent's only child), the teacher's weight bytes, and distill / (SFT + teacher weights), which the
+design keeps at most 1.3: the divergence is chunked like the loss (speedllm.train.distill_loss), so neither model's
+[tokens, vocabulary] logits are ever whole.
 --dry: a 8,192-entry vocabulary and one step, in a temporary scratch dir unless one is given.
 """
 

@@ -264,7 +264,6 @@ def test_int8_teacher_equals_torchao_int8_weight_only(models, tmp_path, launch):
     transformers teacher whose decoder projections torchao's Int8WeightOnlyConfig quantized; the planner and
     task=dryrun count its projections at one byte a weight (plus a scale a row), and shard-free layouts only."""
     import json
-
     from dataclasses import replace
 
     from test_train_loop import TINY

@@ -83,13 +83,19 @@ def load_quantized(model: nn.Module, cfg: DictConfig, device: torch.device, tp_l
                                                                           model.lm_head.weight.shape, dtype)
     model.embed_tokens = Int8Embedding(*embed, dtype)
     model.lm_head = Int8Linear(*head, dtype, dynamic=inference_scheme(cfg.quant.name) == "int8_dyn")
+    fill_layers(model, source, device, lambda layer: quantize_linears(layer, cfg.quant, tp_linear))
+    model.norm.to_empty(device=device)
+    source.fill(model.norm, "norm.")
+
+
+def fill_layers(model: nn.Module, source: "WeightSource", device: torch.device, quantize) -> None:
+    """Materialize and read the meta-device model's decoder layers one at a time, each quantized in place
+    (`quantize(layer)`) before the next is read, and the heap trimmed after each."""
     for key, layer in model.layers.items():
         layer.to_empty(device=device)
         source.fill(layer, f"layers.{key}.")
-        quantize_linears(layer, cfg.quant, tp_linear)
+        quantize(layer)
         trim_heap()
-    model.norm.to_empty(device=device)
-    source.fill(model.norm, "norm.")
 
 
 @functools.cache

@@ -129,7 +129,7 @@ def built_teacher_bytes(cfg, rt) -> Tuple[int, int]:
     held = sum(local_bytes(t) for t in [*teacher.parameters(), *int8])
     layout = layout_from_config(cfg.parallel, cfg.train)
     return held, int(teacher_bytes(tcfg.model, layout, cfg.hardware.dtype, gathered=False,
-                                   quant=cfg.distill.teacher_quant, whole=cfg.distill.teacher_parallel == "replicate"))
+                                   quant=cfg.distill.teacher_quant, whole=whole_teacher(cfg)))
 
 
 def local_bytes(p) -> int:

@@ -129,7 +129,7 @@ def load_whole_teacher(tcfg, scheme: str, device: torch.device) -> nn.Module:
     layer is read, so the full-precision teacher never exists whole (as speedllm.generation.load.load_quantized does
     for inference; here the embedding and output projection stay full precision: the student's loss reads the
     output weight)."""
-    from speedllm.generation.load import WeightSource, trim_heap
+    from speedllm.generation.load import WeightSource, fill_layers
     from speedllm.models.moe import take_expert_load
     from speedllm.models.qwen3 import Qwen3
 
@@ -143,11 +143,7 @@ def load_whole_teacher(tcfg, scheme: str, device: torch.device) -> nn.Module:
         part.to_empty(device=device)
         source.fill(part, prefix + ".")
     teacher.tie_embeddings()
-    for key, layer in teacher.layers.items():
-        layer.to_empty(device=device)
-        source.fill(layer, f"layers.{key}.")
-        quantize_teacher(layer, scheme)
-        trim_heap()
+    fill_layers(teacher, source, device, lambda layer: quantize_teacher(layer, scheme))
     take_expert_load(teacher)  # MoE load tallies from zero (to_empty left them unset)
     return teacher
 
