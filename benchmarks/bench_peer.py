@@ -52,6 +52,7 @@ from benchmarks.common import (BATCH, CLOCKS, CONFIGS, SEQ, batch, decode_speed,
 from speedllm.config.schema import AdamWConfig
 from speedllm.models import Qwen3
 from speedllm.models.hf_adapter import from_hf_state_dict, hf_config
+from speedllm.native import keep_freed_memory
 from speedllm.parallel import ParallelModel, clip_grad_norm
 from speedllm.paths import CONF
 from speedllm.train.metrics import peak_memory_gb
@@ -90,7 +91,7 @@ def build(name: str, config: str, hf=None, dtype: str = "float32"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP, foreach=True)
     elif name.startswith("ours"):
         cfg = model_cfg(config)
-        model = Qwen3(cfg, ops=OPS if name == "ours" else "reference").train()
+        model = Qwen3(cfg, ops="reference" if name == "ours_reference" else OPS).train()
         model.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg))
         optimizer = build_optimizer(model, OPTIM)
 
@@ -122,7 +123,10 @@ def build(name: str, config: str, hf=None, dtype: str = "float32"):
         def clip():
             clip_grad_norm_(model.parameters(), GRAD_CLIP, foreach=True)
 
+    ours = name.startswith("ours")
+
     def step():
+        keep_freed_memory(ours)  # each system's allocator as it ships: ours keeps freed memory (speedllm.runtime)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
             forward_backward()
         clip()

@@ -107,29 +107,40 @@ def probe_rows(name: str, features: tuple) -> int:
     return PROBE_ROWS if native else 32
 
 
-def probe_file():
-    """Where this machine's probe is cached: per CPU (name and features), torch version and thread count."""
+def probe_file(what: str = "gemm"):
+    """Where this machine's measurement `what` is cached: per CPU (name and features), torch version and thread
+    count."""
     key = f"{cpu_name()}|{' '.join(cpu_features())}|{torch.__version__}|{torch.get_num_threads()}"
-    return cache_dir().parent / "probe" / f"gemm_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    if what != "gemm":
+        key += f"|{what}"
+    name = what.split("|")[0]
+    return cache_dir().parent / "probe" / f"{name}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
-def cpu_probe() -> Dict[str, float]:
-    """GEMM GFLOP/s per dtype of PROBED on this CPU at torch's thread count, measured once per machine and cached
-    beside the kernel cache (measured anew where the cache cannot be written)."""
-    path = probe_file()
+def measured_once(what: str, measure):
+    """What `measure()` returns (JSON), measured once per machine and cached beside the kernel cache (probe_file;
+    measured anew where the cache cannot be written), so that every run on a machine sees the same figures."""
+    path = probe_file(what)
     try:
-        return {k: float(v) for k, v in json.loads(path.read_text()).items()}
+        return json.loads(path.read_text())
     except (OSError, ValueError):
         pass
-    gflops = {name: round(_gemm_gflops(DTYPES[name], probe_rows(name, isa_features())), 2) for name in PROBED}
+    value = measure()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{time.monotonic_ns()}.tmp")
-        tmp.write_text(json.dumps(gflops))
+        tmp.write_text(json.dumps(value))
         tmp.rename(path)  # atomic: a concurrent reader sees all of it or none
     except OSError:
         pass
-    return gflops
+    return value
+
+
+def cpu_probe() -> Dict[str, float]:
+    """GEMM GFLOP/s per dtype of PROBED on this CPU at torch's thread count, measured once per machine."""
+    gflops = measured_once("gemm", lambda: {name: round(_gemm_gflops(DTYPES[name], probe_rows(name, isa_features())),
+                                                        2) for name in PROBED})
+    return {k: float(v) for k, v in gflops.items()}
 
 
 def cpu_dtype(gflops: Dict[str, float]) -> str:

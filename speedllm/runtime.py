@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from speedllm.native import keep_freed_memory
 from speedllm.parallel.mesh import ParallelDims, build_mesh
 
 
@@ -46,6 +47,7 @@ def seed_everything(seed: int) -> None:
 def device_for(cfg: DictConfig, local_rank: int) -> torch.device:
     kind = cfg.hardware.device
     if kind == "cpu":
+        keep_freed_memory()  # no page faults on every step's large tensors
         return torch.device("cpu")
     if kind == "npu":
         import torch_npu  # noqa: F401  (registers the npu device)

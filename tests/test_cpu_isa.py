@@ -60,6 +60,11 @@ def test_each_path_equals_the_reference_twin(path, monkeypatch):
         x, w = torch.randn(6, 96), torch.randn(96)
         torch.testing.assert_close(cpu.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
         torch.testing.assert_close(cpu.swiglu(x, w.expand(6, 96)), reference.swiglu(x, w.expand(6, 96)))
+        logits, labels = torch.randn(3, 1003) * 4, torch.tensor([5, -100, 1002])
+        loss, grad = cpu.cross_entropy_grad_(logits.clone(), labels)
+        ref_loss, ref_grad = reference.cross_entropy_grad_(logits.clone(), labels)
+        torch.testing.assert_close(loss, ref_loss)
+        torch.testing.assert_close(grad, ref_grad)
 
 
 @NEEDS_CC

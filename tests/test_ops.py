@@ -211,30 +211,56 @@ def test_cross_entropy_is_sum_ignoring_minus_100(impl, device):
     check(lambda logits: get_ops(impl).cross_entropy(logits, labels), expected, [rand(6, 10, device=device)], 1e-5)
 
 
+def test_cpu_cross_entropy_grad_is_the_reference_in_one_pass():
+    """The fused loss-and-gradient kernel against the reference twin, in place, on fp32 and bf16 logits: a vocabulary
+    that is no multiple of the vector width, an ignored row (zero gradient, no loss), labels at both ends. fp32:
+    within reassociation; bf16: the same loss (fp32 arithmetic on the same bf16 logits) and the gradient within
+    one bf16 rounding of the largest entry. A label outside the vocabulary raises, as the reference's gather."""
+    from speedllm.ops import cpu
+
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.tensor([3, -100, 0, 1002, 7, 500])
+    for dtype, grad_tol in ((torch.float32, 1e-6), (torch.bfloat16, 2**-8)):
+        logits = (torch.randn(6, 1003, generator=gen) * 4).to(dtype)
+        fused = logits.clone()
+        loss, grad = cpu.cross_entropy_grad_(fused, labels)
+        ref_loss, ref_grad = reference.cross_entropy_grad_(logits.clone(), labels)
+        assert grad.data_ptr() == fused.data_ptr() and grad.dtype == dtype and loss.dtype == torch.float32
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+        assert (grad.float() - ref_grad.float()).abs().max() <= grad_tol * ref_grad.float().abs().max()
+        assert not grad[1].any()
+        expected = F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
+        torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    with pytest.raises(IndexError):
+        cpu.cross_entropy_grad_(torch.randn(2, 10), torch.tensor([1, 10]))
+
+
 @pytest.mark.parametrize("chunk_size", [1, 5, 64, 0])
 def test_chunked_loss_equals_full_logits(chunk_size):
     hidden, weight = rand(23, 16), rand(50, 16)
     labels = torch.randint(0, 50, (23,))
     labels[[2, 7, 8]] = -100
     full = lambda h, w: F.cross_entropy(h @ w.t(), labels, ignore_index=-100, reduction="sum")  # noqa: E731
-    check(lambda h, w: chunked_cross_entropy(h, w, labels, chunk_size, reference.cross_entropy), full,
+    check(lambda h, w: chunked_cross_entropy(h, w, labels, chunk_size, get_ops("reference")), full,
           [hidden, weight], 1e-4)
     with torch.no_grad():  # the evaluation path, through the op set's cross_entropy
-        loss = chunked_cross_entropy(hidden, weight, labels, chunk_size, reference.cross_entropy)
+        loss = chunked_cross_entropy(hidden, weight, labels, chunk_size, get_ops("reference"))
         assert abs(loss - full(hidden, weight)) <= 1e-4
 
 
-def test_chunked_loss_under_bf16_autocast():
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+def test_chunked_loss_under_bf16_autocast(impl):
     """bf16 mixed precision on CPU, over several chunks: the GEMMs take bf16 operands and give bf16 logits, so the
     loss is the fp32 softmax of the bf16-rounded logits of the bf16-rounded hidden states and weight (up to a
     logit rounded the other way: the GEMM's order of additions); the gradients come back fp32 within bf16's
-    precision of those; the weight gradient is summed over chunks in fp32."""
+    precision of those; the weight gradient is summed over chunks in fp32. The cpu op set's fused kernel takes
+    the bf16 logits as they are and writes their gradient in bf16."""
     hidden, weight = rand(23, 16), rand(50, 16)
     labels = torch.randint(0, 50, (23,))
     labels[[2, 7, 8]] = -100
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = chunked_cross_entropy(h, w, labels, 5, reference.cross_entropy)
+        loss = chunked_cross_entropy(h, w, labels, 5, get_ops(impl))
     loss.backward()
     h_ref, w_ref = hidden.bfloat16().float().requires_grad_(), weight.bfloat16().float().requires_grad_()
     logits = h_ref @ w_ref.t()
@@ -256,7 +282,7 @@ def test_chunked_loss_in_place_log_softmax_over_shapes_and_dtypes(device):
                                      (50, torch.float32, 3)]:
         hidden = rand(23, 16, device=device).to(dtype).requires_grad_()
         weight = rand(vocab, 16, device=device).to(dtype).requires_grad_()
-        loss = chunked_cross_entropy(hidden, weight, labels, chunk_size, reference.cross_entropy)
+        loss = chunked_cross_entropy(hidden, weight, labels, chunk_size, get_ops("reference"))
         loss.backward()
         h, w = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
         expected = F.cross_entropy((h @ w.t()).to(dtype).float(), labels, ignore_index=-100, reduction="sum")
@@ -278,14 +304,14 @@ def test_chunk_size_0_is_one_chunk_within_the_logits_budget(monkeypatch):
     hidden, weight = rand(23, 16), rand(50, 16)
     labels = torch.randint(0, 50, (23,))
     full = lambda h, w: F.cross_entropy(h @ w.t(), labels, ignore_index=-100, reduction="sum")  # noqa: E731
-    check(lambda h, w: chunked_cross_entropy(h, w, labels, 0, reference.cross_entropy), full, [hidden, weight], 1e-4)
+    check(lambda h, w: chunked_cross_entropy(h, w, labels, 0, get_ops("reference")), full, [hidden, weight], 1e-4)
 
 
 def test_chunked_loss_keeps_no_full_logits():
     """What the loss keeps for backward is the gradients of hidden and weight, not N x V logits."""
     hidden, weight = rand(512, 8).requires_grad_(), rand(4096, 8).requires_grad_()
     labels = torch.randint(0, 4096, (512,))
-    loss = chunked_cross_entropy(hidden, weight, labels, 64, reference.cross_entropy)
+    loss = chunked_cross_entropy(hidden, weight, labels, 64, get_ops("reference"))
     assert sorted(t.shape for t in loss.grad_fn.saved_tensors) == [hidden.shape, weight.shape]
 
 
@@ -293,7 +319,7 @@ def test_chunked_loss_with_a_frozen_weight_builds_no_weight_gradient():
     """LoRA/QLoRA freeze the output weight: the loss keeps only the hidden states' gradient, which is torch's."""
     hidden, weight = rand(64, 8).requires_grad_(), rand(4096, 8)
     labels = torch.randint(0, 4096, (64,))
-    loss = chunked_cross_entropy(hidden, weight, labels, 16, reference.cross_entropy)
+    loss = chunked_cross_entropy(hidden, weight, labels, 16, get_ops("reference"))
     assert [t.shape for t in loss.grad_fn.saved_tensors if t is not None] == [hidden.shape]
     loss.backward()
     h = hidden.detach().requires_grad_()

@@ -153,7 +153,7 @@ class Qwen3(nn.Module):
     Args:
         cfg: fields of speedllm.models.config.ModelConfig (DictConfig or dataclass).
         ops: op set name (reference | cpu | cuda | npu), normally the hardware profile's `ops`.
-        output_loss: (hidden_ND, weight_VD, labels_N, chunk_size, cross_entropy) -> ce_sum, the output
+        output_loss: (hidden_ND, weight_VD, labels_N, chunk_size, ops) -> ce_sum, the output
             projection + summed cross-entropy; a layout may need its own (speedllm.parallel.output_loss_for:
             vocabulary-parallel under tensor parallelism) without touching this file.
         loss_chunk_size: tokens per chunk of that loss (0: one chunk if the logits fit a budget,
@@ -296,7 +296,7 @@ class Qwen3(nn.Module):
             return self.lm_head(h_BSD)
         ce_sum = (output_loss or self.output_loss)(
             h_BSD.reshape(B * S, -1), self.lm_head.weight, labels.reshape(-1), self.loss_chunk_size,
-            self.ops.cross_entropy,
+            self.ops,
         )
         aux_loss = torch.zeros((), dtype=torch.float32, device=h_BSD.device)
         if layer_stats:

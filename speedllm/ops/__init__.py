@@ -18,6 +18,10 @@ N rows, D features, O output features, E experts, V vocabulary):
   swiglu(gate, up) -> silu(gate) * up
   grouped_mm(x_ND, w_EOD, counts_E) -> y_NO                 rows of x grouped by expert in order; group e uses w[e]
   cross_entropy(logits_NV, labels_N) -> fp32 scalar         SUM over labels != IGNORE_INDEX
+  cross_entropy_grad_(logits_NV, labels_N) -> (fp32 scalar, grad_NV)
+                                                           that sum and its gradient softmax - one_hot (zero
+                                                           rows where ignored), written over the logits (fp32 or
+                                                           bf16: the training loss's chunks, speedllm.ops.loss)
 """
 
 import importlib
@@ -41,6 +45,7 @@ class Ops:
     swiglu: Callable
     grouped_mm: Callable
     cross_entropy: Callable
+    cross_entropy_grad_: Callable
 
 
 _CACHE = {}
@@ -60,5 +65,6 @@ def get_ops(name: str) -> Ops:
             swiglu=module.swiglu,
             grouped_mm=module.grouped_mm,
             cross_entropy=module.cross_entropy,
+            cross_entropy_grad_=module.cross_entropy_grad_,
         )
     return _CACHE[name]

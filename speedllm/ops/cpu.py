@@ -1,5 +1,6 @@
-"""CPU ops: fused C kernels (cpu_kernels.c) for RMSNorm, SwiGLU and RoPE, forward and backward; a grouped matmul
-whose backward writes each expert's gradients in place; the reference ops for the rest.
+"""CPU ops: fused C kernels (cpu_kernels.c) for RMSNorm, SwiGLU and RoPE, forward and backward, and for the
+training loss's cross-entropy and logit gradient; a grouped matmul whose backward writes each expert's gradients in
+place; the reference ops for the rest.
 
 Each fused op does in one pass over memory what the reference does in several torch ops and temporaries, and
 saves less for backward: RMSNorm keeps its input and one fp32 rstd per row, SwiGLU its two inputs (the sigmoid is
@@ -19,10 +20,11 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from speedllm.native import isa, load
-from speedllm.ops import reference
+from speedllm.ops import IGNORE_INDEX, reference
 from speedllm.ops.reference import attention, cross_entropy, varlen_attention
 
-__all__ = ["rms_norm", "rotary", "attention", "varlen_attention", "swiglu", "grouped_mm", "cross_entropy"]
+__all__ = ["rms_norm", "rotary", "attention", "varlen_attention", "swiglu", "grouped_mm", "cross_entropy",
+           "cross_entropy_grad_"]
 
 KERNEL_SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
@@ -33,6 +35,7 @@ _SIGNATURES = {
     "swiglu_fwd": [_P] * 3 + [_L, _I],
     "swiglu_bwd": [_P] * 5 + [_L, _I],
     "rotary": [_P] * 4 + [_L, _L, _L, _I, _I],
+    "cross_entropy_grad": [_P] * 3 + [_L, _L, _L, _I],
 }
 
 
@@ -183,6 +186,21 @@ def rotary(x_BSHD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor) -
         return reference.rotary(x_BSHD, cos_BSD, sin_BSD)
     y = _Rotary.apply(x_BSHD, cos_BSD, sin_BSD) if _needs_grad(x_BSHD) else _rotary(x_BSHD, cos_BSD, sin_BSD, False)
     return y.to(torch.promote_types(x_BSHD.dtype, cos_BSD.dtype))  # the reference's dtype
+
+
+def cross_entropy_grad_(logits_NV: torch.Tensor, labels_N: torch.Tensor):
+    """The reference's loss and logit gradient in one pass per row (cpu_kernels.c), in the logits' dtype: bf16
+    logits under autocast are read and their gradient written in bf16, with fp32 arithmetic in between."""
+    if not (_fused(logits_NV) and logits_NV.dim() == 2 and logits_NV.is_contiguous() and _plain(labels_N)):
+        return reference.cross_entropy_grad_(logits_NV, labels_N)
+    N, V = logits_NV.shape
+    labels = labels_N.to(torch.int64).contiguous()
+    if not ((labels == IGNORE_INDEX) | ((labels >= 0) & (labels < V))).all():  # as gather would raise
+        raise IndexError(f"cross-entropy: a label outside [0, {V}) that is not {IGNORE_INDEX}")
+    loss_N = torch.empty(N)
+    _kernel("cross_entropy_grad", logits_NV)(_ptr(logits_NV), _ptr(labels), _ptr(loss_N), N, V, IGNORE_INDEX,
+                                             _threads(logits_NV.numel()))
+    return loss_N.sum(), logits_NV
 
 
 class _GroupedMM(torch.autograd.Function):

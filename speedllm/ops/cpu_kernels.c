@@ -1,5 +1,6 @@
 #ifndef KERNELS_OF
-/* Fused CPU kernels for the training step's elementwise ops: RMSNorm, SwiGLU, RoPE, forward and backward, for
+/* Fused CPU kernels for the training step's elementwise ops: RMSNorm, SwiGLU, RoPE, forward and backward, and
+ * the cross-entropy's loss and logit gradient in one, for
  * fp32 tensors and for bf16 ones (suffix _bf16: the activations x, y, dy, dx in bf16; weights, cos/sin, rstd and
  * dw in fp32).
  *
@@ -15,6 +16,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef uint16_t bf16;
@@ -182,6 +184,42 @@ void NAME(rotary)(const T *x, const float *cos, const float *sin, T *y, long R, 
                 }
             }
         }
+    }
+}
+
+/* Cross-entropy of logits [N, V] against labels (`ignore`: no loss), the logits replaced by the gradient of the
+ * summed loss, softmax - one_hot (a zero row where ignored); loss[n] = logsumexp(row) - row[label] (0 where
+ * ignored). Per row: its max; exp(x - max) into a per-thread fp32 row and their sum; the gradient. A row stays in
+ * cache across the three passes, so memory sees one read and one write of the logits. */
+void NAME(cross_entropy_grad)(T *logits, const int64_t *labels, float *loss, long N, long V, long ignore,
+                              int threads) {
+    #pragma omp parallel num_threads(threads)
+    {
+        float *e = malloc(V * sizeof(float));
+        #pragma omp for schedule(static)
+        for (long n = 0; n < N; n++) {
+            T *row = logits + n * V;
+            long y = labels[n];
+            if (y == ignore) {
+                memset(row, 0, V * sizeof(T));
+                loss[n] = 0.0f;
+                continue;
+            }
+            float m = -INFINITY, s = 0.0f;
+            #pragma omp simd reduction(max : m)
+            for (long v = 0; v < V; v++) m = fmaxf(m, LD(row[v]));
+            #pragma omp simd reduction(+ : s)
+            for (long v = 0; v < V; v++) {
+                e[v] = exp_f32(LD(row[v]) - m);
+                s += e[v];
+            }
+            float inv = 1.0f / s;
+            loss[n] = m + logf(s) - LD(row[y]);
+            #pragma omp simd
+            for (long v = 0; v < V; v++) row[v] = ST(e[v] * inv);
+            row[y] = ST(e[y] * inv - 1.0f);
+        }
+        free(e);
     }
 }
 

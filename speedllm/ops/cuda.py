@@ -9,11 +9,13 @@ import torch.nn.functional as F
 
 from speedllm.ops import IGNORE_INDEX
 
-from speedllm.ops.reference import rotary, swiglu  # torch has no fused kernel for these; the eager form is it
+# torch has no fused kernel for these; the eager form is it (the loss's gradient: in place, one log_softmax)
+from speedllm.ops.reference import cross_entropy_grad_, rotary, swiglu
 
 from speedllm.ops import reference
 
-__all__ = ["rms_norm", "rotary", "attention", "varlen_attention", "swiglu", "grouped_mm", "cross_entropy"]
+__all__ = ["rms_norm", "rotary", "attention", "varlen_attention", "swiglu", "grouped_mm", "cross_entropy",
+           "cross_entropy_grad_"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

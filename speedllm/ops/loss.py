@@ -11,7 +11,7 @@ and nothing is recomputed.
 
 import torch
 
-from speedllm.ops import IGNORE_INDEX
+from speedllm.ops.reference import cross_entropy_grad_
 
 LOGITS_BUDGET_BYTES = 128 * 2**20  # one chunk's fp32 logits, when the chunk size is left to the loss (0)
 
@@ -28,61 +28,39 @@ def chunk_rows(chunk_size: int, num_tokens: int, vocab: int) -> int:
     return min(rows, num_tokens)
 
 
-def _loss_and_grad_(logits_NV: torch.Tensor, labels_N: torch.Tensor):
-    """Summed cross-entropy of fp32 logits and d(sum)/d(logits), computed in the logits' own storage.
-
-    The loss is log-softmax + NLL, as torch's cross_entropy computes it. torch's CPU and CUDA log-softmax
-    kernels read each element before writing the same element, so they run in place (one pass instead of
-    max / subtract / exp / sum / divide); exp_ then turns the log-probabilities into the softmax. Other
-    devices (torch_npu) make no such promise and get a copy.
-    """
-    keep = (labels_N != IGNORE_INDEX).unsqueeze(1)
-    targets = labels_N.clamp(min=0).unsqueeze(1)
-    if logits_NV.device.type in ("cpu", "cuda"):
-        logprobs = torch.log_softmax(logits_NV, dim=1, out=logits_NV)
-    else:
-        logprobs = logits_NV.copy_(torch.log_softmax(logits_NV, dim=1))
-    loss = -(logprobs.gather(1, targets) * keep).sum()
-    probs = logprobs.exp_()
-    probs.scatter_add_(1, targets, torch.full(targets.shape, -1.0, device=probs.device))
-    return loss, zero_unlabeled_(probs, keep.squeeze(1))
-
-
-def zero_unlabeled_(grad_NV: torch.Tensor, keep_N: torch.Tensor) -> torch.Tensor:
-    """grad_NV with the rows of tokens without a label (keep_N False) zeroed in place: on CPU those rows only, not
-    a pass over every logit; on an accelerator a mask multiply (no host sync for the row indices)."""
-    if grad_NV.device.type == "cpu":
-        return grad_NV.index_fill_(0, torch.nonzero(~keep_N).squeeze(1), 0.0)
-    return grad_NV.mul_(keep_N[:, None])
-
-
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Output projection + cross-entropy, chunk by chunk: each chunk's logits turn into their gradient in place
     right away, and only the gradients with respect to the hidden states and the weight are kept for backward.
 
     `chunk_fn(logits_NV, labels_N) -> (loss sum, grad of the logits)` turns one chunk's fp32 logits into their
-    gradient in place; tensor parallelism passes a vocabulary-parallel one (speedllm.parallel.tensor).
+    gradient in place; tensor parallelism passes a vocabulary-parallel one (speedllm.parallel.tensor). With
+    `low_logits` it takes them in the GEMMs' dtype under autocast (an op set's cross_entropy_grad_): bf16 logits
+    straight from the GEMM, their bf16 gradient straight into the next two, no fp32 copy of either.
     """
 
     @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, labels_N, chunk_size, chunk_fn=_loss_and_grad_):
+    def forward(ctx, hidden_ND, weight_VD, labels_N, chunk_size, chunk_fn=cross_entropy_grad_, low_logits=False):
         grad_hidden = torch.empty_like(hidden_ND)
         grad_weight = None
         total = torch.zeros((), dtype=torch.float32, device=hidden_ND.device)
         chunk_size = chunk_rows(chunk_size, hidden_ND.shape[0], weight_VD.shape[0])
-        # one chunk's fp32 logits, reused by every chunk of this call and freed with it
-        buffer = torch.empty(chunk_size, weight_VD.shape[0], dtype=torch.float32, device=hidden_ND.device)
         device = hidden_ND.device.type
         # under autocast (bf16 mixed precision) the three GEMMs run in its dtype, the softmax and the weight
         # gradient's sum over chunks in fp32
         amp = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         weight = weight_VD if amp is None else weight_VD.to(amp)
+        # one chunk's logits (fp32, or the GEMMs' dtype for a chunk_fn taking that), reused by every chunk
+        dtype = amp if amp is not None and low_logits else torch.float32
+        buffer = torch.empty(chunk_size, weight_VD.shape[0], dtype=dtype, device=hidden_ND.device)
         for start in range(0, hidden_ND.shape[0], chunk_size):
             h = hidden_ND[start : start + chunk_size]
             logits = buffer[: h.shape[0]]
             if amp is not None:
                 h = h.to(amp)
-                logits.copy_(h @ weight.t())
+                if dtype == amp:
+                    torch.mm(h, weight.t(), out=logits)
+                else:
+                    logits.copy_(h @ weight.t())
             elif weight_VD.dtype == torch.float32:
                 torch.mm(h, weight_VD.t(), out=logits)
             else:
@@ -91,39 +69,45 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_low = grad_logits.to(weight.dtype)  # under autocast: converted once, for both GEMMs
             grad_hidden[start : start + chunk_size] = grad_low @ weight
             if ctx.needs_input_grad[1]:  # a frozen output weight (LoRA, QLoRA) gets no vocabulary-sized gradient
-                if amp is not None:
-                    chunk_grad = (grad_low.t() @ h).float()
-                    grad_weight = chunk_grad if grad_weight is None else grad_weight.add_(chunk_grad)
+                if amp is not None:  # one chunk's stays in amp's dtype until backward converts it once
+                    chunk_grad = grad_low.t() @ h
+                    grad_weight = chunk_grad if grad_weight is None else grad_weight.float().add_(chunk_grad)
                 elif grad_weight is None:
                     grad_weight = grad_logits.t() @ h.float()
                 else:
                     grad_weight.addmm_(grad_logits.t(), h.float())
             total += loss
-        ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight_VD.dtype))
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight_VD.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
         grad_hidden, grad_weight = ctx.saved_tensors
-        # Not in place: zero-bubble pipeline schedules run this backward twice (input, then weight gradients).
-        return (grad_hidden * grad_total, None if grad_weight is None else grad_weight * grad_total,
-                None, None, None)
+        # The saved gradients are not changed: zero-bubble pipeline schedules run this backward twice (input, then
+        # weight gradients). A weight gradient in another dtype is converted into a new tensor, scaled in place.
+        if grad_weight is not None:
+            dtype = ctx.weight_dtype
+            grad_weight = grad_weight * grad_total if grad_weight.dtype == dtype else \
+                grad_weight.to(dtype).mul_(grad_total)
+        return grad_hidden * grad_total, grad_weight, None, None, None, None
 
 
-def chunked_cross_entropy(hidden_ND, weight_VD, labels_N, chunk_size, cross_entropy):
+def chunked_cross_entropy(hidden_ND, weight_VD, labels_N, chunk_size, ops):
     """Sum of token cross-entropies of `hidden_ND @ weight_VD.T` against `labels_N` (IGNORE_INDEX = no loss), fp32.
 
     Args:
         chunk_size: tokens projected at once (0: see chunk_rows); the extra memory is about
             chunk_size x vocab x 4 bytes.
-        cross_entropy: the op set's `cross_entropy(logits_NV, labels_N) -> sum`, used when no gradient is
-            wanted (evaluation); with gradients the fused in-place loss-and-gradient above is used.
+        ops: the op set (speedllm.ops.Ops): its `cross_entropy` when no gradient is wanted (evaluation), its
+            in-place `cross_entropy_grad_` on each chunk's logits with gradients.
     """
     if torch.is_grad_enabled() and (hidden_ND.requires_grad or weight_VD.requires_grad):
-        return ChunkedLinearCrossEntropy.apply(hidden_ND, weight_VD, labels_N, chunk_size)
+        return ChunkedLinearCrossEntropy.apply(hidden_ND, weight_VD, labels_N, chunk_size, ops.cross_entropy_grad_,
+                                               True)
     total = torch.zeros((), dtype=torch.float32, device=hidden_ND.device)
     chunk_size = chunk_rows(chunk_size, hidden_ND.shape[0], weight_VD.shape[0])
     for start in range(0, hidden_ND.shape[0], chunk_size):
         logits = hidden_ND[start : start + chunk_size] @ weight_VD.t()
-        total += cross_entropy(logits, labels_N[start : start + chunk_size])
+        total += ops.cross_entropy(logits, labels_N[start : start + chunk_size])
     return total

@@ -15,9 +15,10 @@ except ImportError as err:
         "matching your torch, or choose hardware.ops=reference"
     ) from err
 
-from speedllm.ops.reference import cross_entropy  # the fp32 loss is plain torch on every device
+from speedllm.ops.reference import cross_entropy, cross_entropy_grad_  # the fp32 loss is plain torch on every device
 
-__all__ = ["rms_norm", "rotary", "attention", "varlen_attention", "swiglu", "grouped_mm", "cross_entropy"]
+__all__ = ["rms_norm", "rotary", "attention", "varlen_attention", "swiglu", "grouped_mm", "cross_entropy",
+           "cross_entropy_grad_"]
 
 # npu_fusion_attention's causal modes take a compressed 2048 x 2048 upper-triangular mask (True = masked).
 _CAUSAL_MASK = {}

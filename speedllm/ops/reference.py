@@ -81,3 +81,35 @@ def cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor) -> torch.Tens
     keep = labels_N != IGNORE_INDEX
     picked = logits.gather(1, labels_N.clamp(min=0).unsqueeze(1)).squeeze(1)
     return ((torch.logsumexp(logits, dim=-1) - picked) * keep).sum()
+
+
+def cross_entropy_grad_(logits_NV: torch.Tensor, labels_N: torch.Tensor):
+    """Summed cross-entropy of the logits and d(sum)/d(logits), computed in the logits' own storage: fp32 ones
+    in place; others (bf16 under autocast) widened to fp32, the gradient rounded back into their storage.
+
+    The loss is log-softmax + NLL, as torch's cross_entropy computes it. torch's CPU and CUDA log-softmax
+    kernels read each element before writing the same element, so they run in place (one pass instead of
+    max / subtract / exp / sum / divide); exp_ then turns the log-probabilities into the softmax. Other
+    devices (torch_npu) make no such promise and get a copy.
+    """
+    if logits_NV.dtype != torch.float32:
+        loss, grad = cross_entropy_grad_(logits_NV.float(), labels_N)
+        return loss, logits_NV.copy_(grad)
+    keep = (labels_N != IGNORE_INDEX).unsqueeze(1)
+    targets = labels_N.clamp(min=0).unsqueeze(1)
+    if logits_NV.device.type in ("cpu", "cuda"):
+        logprobs = torch.log_softmax(logits_NV, dim=1, out=logits_NV)
+    else:
+        logprobs = logits_NV.copy_(torch.log_softmax(logits_NV, dim=1))
+    loss = -(logprobs.gather(1, targets) * keep).sum()
+    probs = logprobs.exp_()
+    probs.scatter_add_(1, targets, torch.full(targets.shape, -1.0, device=probs.device))
+    return loss, zero_unlabeled_(probs, keep.squeeze(1))
+
+
+def zero_unlabeled_(grad_NV: torch.Tensor, keep_N: torch.Tensor) -> torch.Tensor:
+    """grad_NV with the rows of tokens without a label (keep_N False) zeroed in place: on CPU those rows only, not
+    a pass over every logit; on an accelerator a mask multiply (no host sync for the row indices)."""
+    if grad_NV.device.type == "cpu":
+        return grad_NV.index_fill_(0, torch.nonzero(~keep_N).squeeze(1), 0.0)
+    return grad_NV.mul_(keep_N[:, None])

@@ -36,7 +36,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from speedllm.ops import IGNORE_INDEX
-from speedllm.ops.loss import ChunkedLinearCrossEntropy, zero_unlabeled_
+from speedllm.ops.loss import ChunkedLinearCrossEntropy
+from speedllm.ops.reference import zero_unlabeled_
 
 
 def root_plan(sequence_parallel: bool) -> dict:
@@ -152,12 +153,12 @@ def _vocab_parallel_chunk(logits, labels_N, vocab_start, group):
     return loss, zero_unlabeled_(probs, keep)
 
 
-def vocab_parallel_output_loss(hidden_ND, weight_VD, labels_N, chunk_size, cross_entropy=None):
+def vocab_parallel_output_loss(hidden_ND, weight_VD, labels_N, chunk_size, ops=None):
     """Drop-in for speedllm.ops.loss.chunked_cross_entropy with a vocabulary-sharded output weight.
 
     hidden_ND may be a DTensor (sequence-sharded or replicated); weight_VD is a DTensor Shard(0) on a 1-D
     tensor-parallel mesh. Each rank projects onto its vocabulary rows, so its gradient with respect to the
-    hidden states is a partial sum, which DTensor reduces on the way back. `cross_entropy` is unused: the
+    hidden states is a partial sum, which DTensor reduces on the way back. The op set (`ops`) is unused: the
     reductions over the vocabulary are the point of this function.
     """
     hidden, weight, vocab_start, group = vocab_parallel_operands(hidden_ND, weight_VD)

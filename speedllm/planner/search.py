@@ -28,11 +28,13 @@ from speedllm.parallel.rules import (
     qlora_layout_errors,
     sequence_errors,
 )
+from speedllm.planner.cpu_time import layer_and_rest_seconds
 from speedllm.planner.layout import Layout, stage_layers, uneven
 from speedllm.planner.memory import (
     GIB,
     Memory,
     adamw_state_numel,
+    config_key,
     layer_activation_bytes,
     model_tensors,
     rank_memory,
@@ -169,8 +171,12 @@ class Planner:
             ops = p.hardware.ops
             selective = (layer_activation_bytes(m, kept, p.seq_len, e, moe, self.tp_facts, ops)
                          - layer_activation_bytes(m, layout, p.seq_len, e, moe, self.tp_facts, ops))
+        measured = None
+        if p.hardware.device == "cpu":  # this CPU (its profile is the probe's): time the model on it
+            measured = layer_and_rest_seconds(config_key(m), layout.micro_batch, p.seq_len, p.hardware.dtype,
+                                              p.hardware.ops)
         time = step_time(m, layout, p.hardware, busiest, p.seq_len, p.global_batch, p.efficiency, selective,
-                         memory.offloaded_per_layer, self.muon)
+                         memory.offloaded_per_layer, self.muon, measured)
         tokens_per_s = p.global_batch * p.seq_len / time.total
         mfu = tokens_per_s * per_token(m, p.seq_len)[0] / (p.hardware.peak_tflops[p.hardware.dtype] * 1e12
                                                                  * layout.world)

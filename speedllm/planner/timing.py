@@ -87,7 +87,7 @@ def _per_token(key: tuple, seq_len: int) -> tuple:
 
 
 def step_time(m, layout: Layout, hw, sp: StageParams, seq_len: int, global_batch: int, efficiency: float,
-              selective_bytes: float = 0.0, offloaded_per_layer: float = 0.0, muon=None) -> StepTime:
+              selective_bytes: float = 0.0, offloaded_per_layer: float = 0.0, muon=None, measured=None) -> StepTime:
     """Estimated seconds of one training step.
 
     Args:
@@ -96,6 +96,8 @@ def step_time(m, layout: Layout, hw, sp: StageParams, seq_len: int, global_batch
             (memory-bound elementwise work).
         muon: optim=muon's (Newton-Schulz dtype, ns_steps), else None: every rank gathers each of its Muon
             matrices' updates in that dtype and runs the iteration on all of them (speedllm.train.muon).
+        measured: on a CPU, (one decoder layer, the rest of the model) in seconds of one micro-batch's forward and
+            backward, timed on it (speedllm.planner.cpu_time); they replace the FLOP model's compute.
     """
     t = StepTime()
     e = DTYPES[hw.dtype].itemsize
@@ -123,6 +125,12 @@ def step_time(m, layout: Layout, hw, sp: StageParams, seq_len: int, global_batch
         t.recompute = ((dense - head) / rate + expert / expert_rate) / 3 * tokens / world + t.routing / 3
     elif layout.recompute == "selective":
         t.recompute = 2 * selective_bytes * layers * num_micro / (hw.memory_bandwidth_gbps * 1e9)
+    if measured is not None:  # split over tp and cp ranks as the FLOPs are; routing is part of a timed MoE layer
+        layer_s, rest_s = measured
+        t.compute = num_micro * (layers * layer_s / (layout.tp * layout.cp) + rest_s / layout.tp)
+        t.routing = 0.0
+        if layout.recompute == "full":  # the forward again: about a third of forward + backward
+            t.recompute = num_micro * layers * layer_s / (layout.tp * layout.cp) / 3
     if layout.pp > 1:
         t.bubble = (layout.pp - 1) / (layout.vpp * num_micro) * (t.compute + t.routing + t.recompute)
 

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from speedllm.ops import IGNORE_INDEX
-from speedllm.ops.loss import ChunkedLinearCrossEntropy, chunk_rows, zero_unlabeled_
+from speedllm.ops.loss import ChunkedLinearCrossEntropy, chunk_rows
+from speedllm.ops.reference import zero_unlabeled_
 
 LOSSES = ("forward_kl", "reverse_kl", "jsd")
 # what one chunk holds at once: the student's and the teacher's fp32 logits and about four temporaries of that size
@@ -149,7 +150,7 @@ def _local(hidden_ND: torch.Tensor, weight_VD: torch.Tensor):
     return vocab_parallel_operands(hidden_ND, weight_VD)
 
 
-def distill_loss(hidden_ND, weight_VD, labels_N, chunk_size, cross_entropy=None, *, teacher_hidden,
+def distill_loss(hidden_ND, weight_VD, labels_N, chunk_size, ops=None, *, teacher_hidden,
                  teacher_weight, objective: Objective, stats: torch.Tensor) -> torch.Tensor:
     """Sum over the labelled positions of the Objective's loss: a drop-in for the model's output loss
     (speedllm.ops.loss.chunked_cross_entropy; passed per call as Qwen3's `output_loss`).
@@ -180,6 +181,6 @@ def distill_loss(hidden_ND, weight_VD, labels_N, chunk_size, cross_entropy=None,
     return total
 
 
-def final_hidden(hidden_ND, weight_VD, labels_N, chunk_size, cross_entropy=None) -> torch.Tensor:
+def final_hidden(hidden_ND, weight_VD, labels_N, chunk_size, ops=None) -> torch.Tensor:
     """The final hidden states, in place of the output loss (Qwen3's `output_loss`): the teacher's forward."""
     return hidden_ND
