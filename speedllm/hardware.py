@@ -107,20 +107,17 @@ def probe_rows(name: str, features: tuple) -> int:
     return PROBE_ROWS if native else 32
 
 
-def probe_file(what: str = "gemm"):
-    """Where this machine's measurement `what` is cached: per CPU (name and features), torch version and thread
-    count."""
-    key = f"{cpu_name()}|{' '.join(cpu_features())}|{torch.__version__}|{torch.get_num_threads()}"
-    if what != "gemm":
-        key += f"|{what}"
-    name = what.split("|")[0]
+def probe_file(name: str = "gemm", detail: str = ""):
+    """Where this machine's measurement `name` (of `detail`, e.g. a model and shape) is cached: per CPU (name and
+    features), torch version and thread count."""
+    key = f"{cpu_name()}|{' '.join(cpu_features())}|{torch.__version__}|{torch.get_num_threads()}{detail}"
     return cache_dir().parent / "probe" / f"{name}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
-def measured_once(what: str, measure):
+def measured_once(name: str, measure, detail: str = ""):
     """What `measure()` returns (JSON), measured once per machine and cached beside the kernel cache (probe_file;
     measured anew where the cache cannot be written), so that every run on a machine sees the same figures."""
-    path = probe_file(what)
+    path = probe_file(name, detail and f"|{detail}")
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):

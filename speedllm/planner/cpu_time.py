@@ -58,8 +58,7 @@ def layer_and_rest_seconds(key: tuple, batch: int, seq_len: int, dtype: str, ops
         rest = _seconds(OmegaConf.merge(one, {"num_hidden_layers": 0}), rows, seq, dtype, ops)
         return [max(0.0, _seconds(one, rows, seq, dtype, ops) - rest), rest]
 
-    what = f"plan|{key}|{rows}|{seq}|{dtype}|{ops}"
-    layer, rest = measured_once(what, measure)
+    layer, rest = measured_once("plan", measure, detail=f"{key}|{rows}|{seq}|{dtype}|{ops}")
     return layer * scale, rest * scale
 
 
@@ -68,9 +67,7 @@ def _seconds(cfg, rows: int, seq: int, dtype: str, ops: str) -> float:
     micro-batch through the model `cfg` in fp32 weights, under autocast for a lower `dtype`."""
     torch.manual_seed(0)
     model = Qwen3(cfg, ops=ops).train()
-    with torch.no_grad():  # the constructor leaves weights unset (denormal garbage would be slow)
-        for p in model.parameters():
-            p.normal_(0, cfg.initializer_range) if p.dim() > 1 else p.fill_(1.0)
+    model.init_weights()  # the constructor leaves them unset (denormal garbage would be slow)
     tokens = torch.randint(0, cfg.vocab_size, (rows, seq))
 
     def call() -> float:
