@@ -145,10 +145,11 @@ def logits_of(name: str, model, tokens) -> torch.Tensor:
         return model(tokens)
 
 
-def check_logits(models: dict, vocab_size: int) -> float:
-    """Largest logit difference of every system from transformers' (asserted within fp32 tolerance)."""
-    tokens, _ = batch(vocab_size)
-    ref = logits_of("transformers", models["transformers"], tokens)
+def check_logits(models: dict, hf) -> float:
+    """Largest logit difference of every system from transformers' model `hf` (asserted within fp32 tolerance),
+    whether or not transformers is among the timed systems."""
+    tokens, _ = batch(hf.config.vocab_size)
+    ref = logits_of("transformers", hf, tokens)
     worst = 0.0
     for name, model in models.items():
         got = logits_of(name, model, tokens)
@@ -169,7 +170,7 @@ def compile_layers(name: str, model) -> None:
 def bench_training(config: str, systems, steps: int, compile_: bool, clock, dtype: str = "float32") -> dict:
     hf = hf_model(config)
     runs = {name: build(name, config, hf, dtype) for name in systems}
-    max_diff = check_logits({name: model for name, (model, _) in runs.items()}, hf.config.vocab_size)
+    max_diff = check_logits({name: model for name, (model, _) in runs.items()}, hf)
     if compile_:
         for name, (model, step) in runs.items():
             compile_layers(name, model)

@@ -65,6 +65,16 @@ def test_each_path_equals_the_reference_twin(path, monkeypatch):
         ref_loss, ref_grad = reference.cross_entropy_grad_(logits.clone(), labels)
         torch.testing.assert_close(loss, ref_loss)
         torch.testing.assert_close(grad, ref_grad)
+    # training's bf16 attention (its softmax passes forward and backward) against the fp32 reference
+    q, k, v = (torch.randn(1, n, 19, 24).bfloat16().requires_grad_() for n in (4, 2, 2))
+    out = cpu.attention(q, k, v, None, 0.2)
+    assert type(out.grad_fn).__name__ == "_CausalAttentionBackward"
+    out.float().square().sum().backward()
+    exact = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    want = reference.attention(*exact, None, 0.2)
+    want.square().sum().backward()
+    for got, ref in ((out, want), *((x.grad, y.grad) for x, y in zip((q, k, v), exact))):
+        assert (got.float() - ref).abs().max() <= 2**-6 * ref.abs().max()
 
 
 @NEEDS_CC

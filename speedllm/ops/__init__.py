@@ -6,7 +6,8 @@ so a device gets its fused kernels without a fork of the model.
 Signatures (letters: B batch, S query length, T key length, H query heads, K kv heads, Dh head_dim,
 N rows, D features, O output features, E experts, V vocabulary):
   rms_norm(x_ND, weight_D, eps) -> y_ND                    RMSNorm over the last dim, statistics in fp32
-  rotary(x_BSHD, cos_BSD, sin_BSD) -> x_BSHD                RoPE, rotate-half convention (as transformers)
+  rotary(x_BSHD, cos_BSD, sin_BSD) -> x_BSHD                RoPE, rotate-half convention (as transformers), in x's
+                                                           dtype (fp32 cos/sin under bf16 autocast)
   attention(q_BHSD, k_BKTD, v_BKTD, mask, scale) -> o_BHSD  GQA; mask None = causal, the queries being the last
                                                            S of the T keys (S == T, or S == 1: every key),
                                                            otherwise a bool [B, 1, S, T] tensor, True = may

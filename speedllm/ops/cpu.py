@@ -1,6 +1,6 @@
 """CPU ops: fused C kernels (cpu_kernels.c) for RMSNorm, SwiGLU and RoPE, forward and backward, and for the
-training loss's cross-entropy and logit gradient; a grouped matmul whose backward writes each expert's gradients in
-place; the reference ops for the rest.
+training loss's cross-entropy and logit gradient; training's causal attention in bf16 on batched GEMMs; a grouped
+matmul whose backward writes each expert's gradients in place; the reference ops for the rest.
 
 Each fused op does in one pass over memory what the reference does in several torch ops and temporaries, and
 saves less for backward: RMSNorm keeps its input and one fp32 rstd per row, SwiGLU its two inputs (the sigmoid is
@@ -21,7 +21,7 @@ from torch.autograd.function import once_differentiable
 
 from speedllm.native import isa, load
 from speedllm.ops import IGNORE_INDEX, reference
-from speedllm.ops.reference import attention, cross_entropy, varlen_attention
+from speedllm.ops.reference import cross_entropy, varlen_attention
 
 __all__ = ["rms_norm", "rotary", "attention", "varlen_attention", "swiglu", "grouped_mm", "cross_entropy",
            "cross_entropy_grad_"]
@@ -36,6 +36,8 @@ _SIGNATURES = {
     "swiglu_bwd": [_P] * 5 + [_L, _I],
     "rotary": [_P] * 4 + [_L, _L, _L, _I, _I],
     "cross_entropy_grad": [_P] * 3 + [_L, _L, _L, _I],
+    "attention_softmax": [_P] * 2 + [_L, _L, _L, ctypes.c_float, _I],
+    "attention_softmax_grad": [_P] * 4 + [_L, _L, _L, ctypes.c_float, _I],
 }
 
 
@@ -184,8 +186,7 @@ def rotary(x_BSHD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor) -
             and cos_BSD.is_contiguous() and sin_BSD.is_contiguous()
             and not (cos_BSD.requires_grad or sin_BSD.requires_grad)):
         return reference.rotary(x_BSHD, cos_BSD, sin_BSD)
-    y = _Rotary.apply(x_BSHD, cos_BSD, sin_BSD) if _needs_grad(x_BSHD) else _rotary(x_BSHD, cos_BSD, sin_BSD, False)
-    return y.to(torch.promote_types(x_BSHD.dtype, cos_BSD.dtype))  # the reference's dtype
+    return _Rotary.apply(x_BSHD, cos_BSD, sin_BSD) if _needs_grad(x_BSHD) else _rotary(x_BSHD, cos_BSD, sin_BSD, False)
 
 
 def cross_entropy_grad_(logits_NV: torch.Tensor, labels_N: torch.Tensor):
@@ -203,6 +204,57 @@ def cross_entropy_grad_(logits_NV: torch.Tensor, labels_N: torch.Tensor):
     return loss_N.sum(), logits_NV
 
 
+class _CausalAttention(torch.autograd.Function):
+    """Causal GQA attention for training on batched GEMMs around two fused passes (cpu_kernels.c): the scores
+    s = q k^T in fp32, p = softmax(scale s) kept in the activations' dtype, o = p v; backward dp = do v^T in fp32,
+    ds = scale p (dp - rowsum(do o)), then dv = p^T do, dq = ds k, dk = ds^T q. The query heads of a kv head are
+    stacked, so one GEMM serves a group.
+
+    torch's CPU flash attention backward gains nothing from bf16 (10 ms at [4, 8, 256, 64] in bf16 and in fp32);
+    here the three GEMMs on p and ds run on AMX or AVX512-BF16, and the two whose rounding would move the softmax
+    (s, and dp before its difference with the row sum) stay fp32: the gradients are as close to an fp32
+    reference as SDPA's bf16 ones (tests/test_ops.py). Costs B*H*S*T saved elements of p per layer.
+    """
+
+    @staticmethod
+    @torch.autocast("cpu", enabled=False)  # the fp32 GEMMs stay fp32
+    def forward(ctx, q, k, v, scale):
+        (B, H, S, Dh), (K, T) = q.shape, k.shape[1:3]
+        q_g = q.reshape(B, K, H // K * S, Dh)  # rows: (query head of the group, query)
+        s = q_g.float() @ k.float().transpose(-1, -2)
+        p = torch.empty(s.shape, dtype=q.dtype)
+        _kernel("attention_softmax", p)(_ptr(s), _ptr(p), B * H * S, T, S, scale, _threads(s.numel()))
+        out = (p @ v).view(B, H, S, Dh)
+        ctx.save_for_backward(q_g, k, v, p, out)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    @once_differentiable
+    @torch.autocast("cpu", enabled=False)
+    def backward(ctx, do):
+        q_g, k, v, p, out = ctx.saved_tensors
+        do = do.to(p.dtype)
+        do_g = do.reshape(q_g.shape)
+        dp = do_g.float() @ v.float().transpose(-1, -2)
+        di, ds = (do.float() * out.float()).sum(-1), torch.empty_like(p)
+        _kernel("attention_softmax_grad", p)(_ptr(p), _ptr(dp), _ptr(di), _ptr(ds), di.numel(), p.shape[-1],
+                                             do.shape[2], ctx.scale, _threads(p.numel()))
+        return (ds @ k).view(do.shape), ds.transpose(-1, -2) @ q_g, p.transpose(-1, -2) @ do_g, None
+
+
+_ATTENTION_SCORES = 1 << 23  # the most B*H*S*T for _CausalAttention, which keeps p (16 MB in bf16) per layer
+
+
+def attention(q, k, v, mask, scale):
+    """The reference's attention; training's causal bf16 attention (S == T) through _CausalAttention."""
+    (B, H, S, Dh), T = q.shape, k.shape[2]
+    if (mask is None and S == T > 1 and B * H * S * T <= _ATTENTION_SCORES and _fused(q, k, v)
+            and q.dtype == torch.bfloat16 and _needs_grad(q, k, v)):
+        return _CausalAttention.apply(q, k, v, Dh ** -0.5 if scale is None else scale)
+    return reference.attention(q, k, v, mask, scale)
+
+
 class _GroupedMM(torch.autograd.Function):
     """One mm per expert, each writing its block of the output (and in backward of dx and dw) in place.
 
@@ -210,6 +262,10 @@ class _GroupedMM(torch.autograd.Function):
     a zero-filled [E, O, D] tensor added into the total, E times per projection, and the blocks are copied
     twice more by cat. On qwen3-moe-60M (8 experts) that was a third of a training step. The mm calls are the
     reference's own (dw[e] as autograd computes it for a transposed weight: dy_e^T x_e), so values are equal.
+    mm(out=...) is beyond autocast's reach: under bf16 autocast the experts compute in their inputs' dtype (fp32
+    after an RMSNorm). Casting them to bf16 as autocast would made qwen3-moe-60M's step slower, 0.68-0.77 s ->
+    0.83-0.85 (2-core Xeon with AMX): small GEMMs gain little, and the weights and their gradients are converted
+    every step.
     """
 
     @staticmethod

@@ -1,6 +1,6 @@
 #ifndef KERNELS_OF
-/* Fused CPU kernels for the training step's elementwise ops: RMSNorm, SwiGLU, RoPE, forward and backward, and
- * the cross-entropy's loss and logit gradient in one, for
+/* Fused CPU kernels for the training step's elementwise ops: RMSNorm, SwiGLU, RoPE, forward and backward, the
+ * cross-entropy's loss and logit gradient in one, and causal attention's softmax, forward and backward, for
  * fp32 tensors and for bf16 ones (suffix _bf16: the activations x, y, dy, dx in bf16; weights, cos/sin, rstd and
  * dw in fp32).
  *
@@ -207,7 +207,10 @@ void NAME(cross_entropy_grad)(T *logits, const int64_t *labels, float *loss, lon
             }
             float m = -INFINITY, s = 0.0f;
             #pragma omp simd reduction(max : m)
-            for (long v = 0; v < V; v++) m = fmaxf(m, LD(row[v]));
+            for (long v = 0; v < V; v++) { /* not fmaxf: GCC 12 leaves that loop scalar on bf16 (x4 slower) */
+                float x = LD(row[v]);
+                m = x > m ? x : m;
+            }
             #pragma omp simd reduction(+ : s)
             for (long v = 0; v < V; v++) {
                 e[v] = exp_f32(LD(row[v]) - m);
@@ -220,6 +223,47 @@ void NAME(cross_entropy_grad)(T *logits, const int64_t *labels, float *loss, lon
             row[y] = ST(e[y] * inv - 1.0f);
         }
         free(e);
+    }
+}
+
+/* Causal softmax attention over rows of fp32 scores s = q k^T, [R, Tk]: row r is query r % S of its head, the
+ * queries being the last S of the Tk keys, so it sees keys [0, Tk - S + r % S]. p = softmax(scale s) over those
+ * keys, 0 after them (s is overwritten with exp on the way). */
+void NAME(attention_softmax)(float *s, T *p, long R, long Tk, long S, float scale, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long r = 0; r < R; r++) {
+        float *sr = s + r * Tk;
+        T *pr = p + r * Tk;
+        long seen = Tk - S + r % S + 1;
+        float m = -INFINITY, sum = 0.0f;
+        #pragma omp simd reduction(max : m)
+        for (long j = 0; j < seen; j++) m = sr[j] > m ? sr[j] : m;
+        #pragma omp simd reduction(+ : sum)
+        for (long j = 0; j < seen; j++) {
+            sr[j] = exp_f32(scale * (sr[j] - m));
+            sum += sr[j];
+        }
+        float inv = 1.0f / sum;
+        #pragma omp simd
+        for (long j = 0; j < seen; j++) pr[j] = ST(sr[j] * inv);
+        memset(pr + seen, 0, (Tk - seen) * sizeof(T));
+    }
+}
+
+/* Its backward to the scores: ds = scale p (dp - di) on the keys each row sees, 0 after them, from the forward's
+ * p, dp = do v^T (fp32) and di, the row's sum of do o. */
+void NAME(attention_softmax_grad)(const T *p, const float *dp, const float *di, T *ds, long R, long Tk, long S,
+                                  float scale, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long r = 0; r < R; r++) {
+        const T *pr = p + r * Tk;
+        const float *dr = dp + r * Tk;
+        T *out = ds + r * Tk;
+        long seen = Tk - S + r % S + 1;
+        float d = di[r];
+        #pragma omp simd
+        for (long j = 0; j < seen; j++) out[j] = ST(scale * LD(pr[j]) * (dr[j] - d));
+        memset(out + seen, 0, (Tk - seen) * sizeof(T));
     }
 }
 

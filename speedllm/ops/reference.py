@@ -25,9 +25,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotary(x_BSHD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor) -> torch.Tensor:
-    """Apply RoPE to x (one head dim per head); cos/sin are broadcast over the heads."""
+    """Apply RoPE to x (one head dim per head); cos/sin are broadcast over the heads. In x's dtype: under autocast
+    (a bf16 x, fp32 cos/sin) computed in fp32 and rounded once, as attention takes it in bf16 anyway."""
     cos, sin = cos_BSD.unsqueeze(2), sin_BSD.unsqueeze(2)
-    return x_BSHD * cos + rotate_half(x_BSHD) * sin
+    return (x_BSHD * cos + rotate_half(x_BSHD) * sin).to(x_BSHD.dtype)
 
 
 def attention(q, k, v, mask, scale):

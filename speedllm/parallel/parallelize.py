@@ -218,7 +218,8 @@ def clip_grad_norm(pm: ParallelModel, max_norm: float) -> torch.Tensor:
         if pipeline is not None:
             dist.all_reduce(squares, group=pipeline.group)
         total = squares.sqrt()
-    if max_norm > 0 and math.isfinite(total.item()):
+    # torch's coefficient, min(1, max_norm / (total + 1e-6)); at 1 the multiply is skipped (x * 1.0 == x)
+    if max_norm > 0 and math.isfinite(total.item()) and (max_norm / (total + 1e-6)).item() < 1.0:
         for group in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total
