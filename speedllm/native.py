@@ -23,9 +23,7 @@ from speedllm.errors import UserError
 ISA_ENV = "SPEEDLLM_CPU_ISA"
 ISAS = ("avx512", "avx2", "neon", "generic")  # fastest first
 # beyond -march=native: the avx2 path on an AVX-512 host must not let the compiler use AVX-512 either
-# GCC keeps to 256-bit vectors on AVX-512 CPUs unless told; 512 made the loss kernel x1.25 and SwiGLU x1.2 faster
-# (Xeon, Sapphire Rapids class)
-_ISA_FLAGS = {"avx2": ["-mno-avx512f"], "avx512": ["-mprefer-vector-width=512"]}
+_ISA_FLAGS = {"avx2": ["-mno-avx512f"]}
 
 
 def cache_dir() -> Path:
