@@ -234,13 +234,13 @@ class _CausalAttention(torch.autograd.Function):
     @torch.autocast("cpu", enabled=False)
     def backward(ctx, do):
         q_g, k, v, p, out = ctx.saved_tensors
-        do = do.to(p.dtype)
-        do_g = do.reshape(q_g.shape)
-        dp = do_g.float() @ v.float().transpose(-1, -2)
-        di, ds = (do.float() * out.float()).sum(-1), torch.empty_like(p)
+        do_g = do.to(p.dtype).reshape(q_g.shape)
+        do32 = do_g.float()  # widened once, for dp and for the row sums
+        dp = do32 @ v.float().transpose(-1, -2)
+        di, ds = (do32 * out.float().view(q_g.shape)).sum(-1), torch.empty_like(p)
         _kernel("attention_softmax_grad", p)(_ptr(p), _ptr(dp), _ptr(di), _ptr(ds), di.numel(), p.shape[-1],
-                                             do.shape[2], ctx.scale, _threads(p.numel()))
-        return (ds @ k).view(do.shape), ds.transpose(-1, -2) @ q_g, p.transpose(-1, -2) @ do_g, None
+                                             out.shape[2], ctx.scale, _threads(p.numel()))
+        return (ds @ k).view(out.shape), ds.transpose(-1, -2) @ q_g, p.transpose(-1, -2) @ do_g, None
 
 
 _ATTENTION_SCORES = 1 << 23  # the most B*H*S*T for _CausalAttention, which keeps p (16 MB in bf16) per layer
