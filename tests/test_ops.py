@@ -282,7 +282,10 @@ def test_chunked_loss_under_bf16_autocast(impl):
     loss is the fp32 softmax of the bf16-rounded logits of the bf16-rounded hidden states and weight (up to a
     logit rounded the other way: the GEMM's order of additions); the gradients come back fp32 within bf16's
     precision of those; the weight gradient is summed over chunks in fp32. The cpu op set's fused kernel takes
-    the bf16 logits as they are and writes their gradient in bf16."""
+    the bf16 logits as they are and writes their gradient in bf16. Each gradient element is within 2^-7 of
+    |dlogits| @ |other operand|: the logit gradient rounded to bf16 (2^-9), the GEMM's bf16 output (2^-9) and a
+    logit rounded the other way (2^-8 of 3,000 draws' worst: 0.0073 against 2^-7 = 0.0078; a band of 2^-8 of the
+    largest element failed 4% of draws)."""
     hidden, weight = rand(23, 16), rand(50, 16)
     labels = torch.randint(0, 50, (23,))
     labels[[2, 7, 8]] = -100
@@ -292,13 +295,15 @@ def test_chunked_loss_under_bf16_autocast(impl):
     loss.backward()
     h_ref, w_ref = hidden.bfloat16().float().requires_grad_(), weight.bfloat16().float().requires_grad_()
     logits = h_ref @ w_ref.t()
+    logits.retain_grad()
     rounded = logits + (logits.detach().bfloat16().float() - logits.detach())  # the value rounded, the gradient not
     ref = F.cross_entropy(rounded, labels, ignore_index=-100, reduction="sum")
     ref.backward()
     assert loss.dtype == h.grad.dtype == w.grad.dtype == torch.float32
     torch.testing.assert_close(loss, ref, rtol=1e-4, atol=0)
-    for got, want in ((h.grad, h_ref.grad), (w.grad, w_ref.grad)):
-        assert (got - want).abs().max() <= 2**-8 * want.abs().max()
+    g = logits.grad.abs()
+    for got, want, scale in ((h.grad, h_ref.grad, g @ w_ref.abs()), (w.grad, w_ref.grad, g.t() @ h_ref.abs())):
+        assert ((got - want).abs() <= 2**-7 * scale).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)
