@@ -64,6 +64,12 @@ def _seeded():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _seeded_module():
+    """The same for a module's fixtures: an autouse fixture runs before the other fixtures of its scope."""
+    torch.manual_seed(0)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node, ids):
     """Under --dist loadgroup a worker names each grouped test `<id>@<group>`; a pytest that drops those names
