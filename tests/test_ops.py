@@ -284,8 +284,8 @@ def test_chunked_loss_under_bf16_autocast(impl):
     precision of those; the weight gradient is summed over chunks in fp32. The cpu op set's fused kernel takes
     the bf16 logits as they are and writes their gradient in bf16. Each gradient element is within 2^-7 of
     |dlogits| @ |other operand|: the logit gradient rounded to bf16 (2^-9), the GEMM's bf16 output (2^-9) and a
-    logit rounded the other way (2^-8 of 3,000 draws' worst: 0.0073 against 2^-7 = 0.0078; a band of 2^-8 of the
-    largest element failed 4% of draws)."""
+    logit rounded the other way. Over 3,000 random draws the worst element came to 0.0073 of that scale (2^-7 =
+    0.0078); the former band, 2^-8 of the largest element, failed 4% of draws."""
     hidden, weight = rand(23, 16), rand(50, 16)
     labels = torch.randint(0, 50, (23,))
     labels[[2, 7, 8]] = -100
