@@ -218,8 +218,10 @@ def clip_grad_norm(pm: ParallelModel, max_norm: float) -> torch.Tensor:
         if pipeline is not None:
             dist.all_reduce(squares, group=pipeline.group)
         total = squares.sqrt()
-    # torch's coefficient, min(1, max_norm / (total + 1e-6)); at 1 the multiply is skipped (x * 1.0 == x)
-    if max_norm > 0 and math.isfinite(total.item()) and (max_norm / (total + 1e-6)).item() < 1.0:
+    # torch's coefficient, min(1, max_norm / (total + 1e-6)), read with the norm in one host sync; at 1 the
+    # multiply is skipped (x * 1.0 == x)
+    norm, coef = torch.stack([total, max_norm / (total + 1e-6)]).tolist()
+    if max_norm > 0 and math.isfinite(norm) and coef < 1.0:
         for group in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total
