@@ -23,6 +23,12 @@ N rows, D features, O output features, E experts, V vocabulary):
                                                            that sum and its gradient softmax - one_hot (zero
                                                            rows where ignored), written over the logits (fp32 or
                                                            bf16: the training loss's chunks, speedllm.ops.loss)
+  chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state, cu_seqlens) -> (o_BSHV, state_NHKV)
+  recurrent_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, state_BHKV) -> (o_BSHV, state_BHKV)
+                                                           Gated DeltaNet's rule, chunked (training, prefill;
+                                                           packed documents by cu_seqlens) and token by token
+                                                           (decode); q, k normalized inside; fp32 states
+                                                           (speedllm.ops.gated_delta, the reference twin)
 """
 
 import importlib
@@ -47,6 +53,8 @@ class Ops:
     grouped_mm: Callable
     cross_entropy: Callable
     cross_entropy_grad_: Callable
+    chunk_gated_delta_rule: Callable
+    recurrent_gated_delta_rule: Callable
 
 
 _CACHE = {}
@@ -67,5 +75,7 @@ def get_ops(name: str) -> Ops:
             grouped_mm=module.grouped_mm,
             cross_entropy=module.cross_entropy,
             cross_entropy_grad_=module.cross_entropy_grad_,
+            chunk_gated_delta_rule=module.chunk_gated_delta_rule,
+            recurrent_gated_delta_rule=module.recurrent_gated_delta_rule,
         )
     return _CACHE[name]

@@ -11,11 +11,12 @@ from speedllm.ops import IGNORE_INDEX
 
 # torch has no fused kernel for these; the eager form is it (the loss's gradient: in place, one log_softmax)
 from speedllm.ops.reference import cross_entropy_grad_, rotary, swiglu
+from speedllm.ops.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 from speedllm.ops import reference
 
 __all__ = ["rms_norm", "rotary", "attention", "varlen_attention", "swiglu", "grouped_mm", "cross_entropy",
-           "cross_entropy_grad_"]
+           "cross_entropy_grad_", "chunk_gated_delta_rule", "recurrent_gated_delta_rule"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -16,9 +16,10 @@ except ImportError as err:
     ) from err
 
 from speedllm.ops.reference import cross_entropy, cross_entropy_grad_  # the fp32 loss is plain torch on every device
+from speedllm.ops.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 __all__ = ["rms_norm", "rotary", "attention", "varlen_attention", "swiglu", "grouped_mm", "cross_entropy",
-           "cross_entropy_grad_"]
+           "cross_entropy_grad_", "chunk_gated_delta_rule", "recurrent_gated_delta_rule"]
 
 # npu_fusion_attention's causal modes take a compressed 2048 x 2048 upper-triangular mask (True = masked).
 _CAUSAL_MASK = {}

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from speedllm.ops import IGNORE_INDEX
+from speedllm.ops.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule  # noqa: F401 (the op set)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
