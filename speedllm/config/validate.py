@@ -12,6 +12,7 @@ from glob import glob
 
 from omegaconf import DictConfig, OmegaConf
 
+from speedllm.config.locations import check_outputs
 from speedllm.errors import UserError
 from speedllm.generation.sampling import MIN_TEMPERATURE
 from speedllm.hardware import AUTO, DTYPES
@@ -238,38 +239,6 @@ def check_values(cfg: DictConfig) -> None:
         from speedllm.data.datasets import parse_split
 
         parse_split(cfg.data.split)
-
-
-def check_outputs(cfg: DictConfig) -> None:
-    """No output may write over an input: refused before any work."""
-    from speedllm.outputs import check_no_collision, check_writable
-
-    task, d, ck, gen = cfg.task.name, cfg.data, cfg.checkpoint, cfg.generate
-    inputs = {"data.tokenizer": [d.tokenizer]}
-    inputs.update({key: [value] for key, value in (("checkpoint.load", ck.load), ("checkpoint.load_hf", ck.load_hf))
-                   if value not in (None, "auto")})
-    for key, path in (("data.output_prefix", d.output_prefix), ("generate.output", gen.output)):
-        if path is not None and str(path).endswith(("/", os.sep)):
-            raise UserError(f"{key}={path} ends in '/', a folder; {key} names a file, e.g. {key}={path}"
-                            f"{'corpus' if key == 'data.output_prefix' else 'out.jsonl'}")
-    if task in ("pretrain", "sft", "dpo", "grpo", "distill"):  # every training run saves (at the end, or when stopped early)
-        check_writable("checkpoint.dir", ck.dir, directory=True)
-    if task == "preprocess":
-        patterns = [d.input] if isinstance(d.input, str) else list(d.input)
-        inputs["data.input"] = [f for pattern in patterns for f in (glob(str(pattern), recursive=True) or [pattern])]
-        outputs = {"data.output_prefix": [f"{d.output_prefix}{suffix}" for suffix in (".bin", ".idx", ".json")]}
-        check_writable("data.output_prefix", f"{d.output_prefix}.bin")
-    elif task == "generate" and gen.output is not None:
-        if gen.prompts_file is not None:
-            inputs["generate.prompts_file"] = [gen.prompts_file]
-        outputs = {"generate.output": [gen.output]}
-        check_writable("generate.output", gen.output)
-    elif task == "convert":
-        outputs = {"convert.out": [cfg.convert.out]}
-        check_writable("convert.out", cfg.convert.out, directory=True)
-    else:
-        return
-    check_no_collision(outputs, inputs)
 
 
 def check_model(cfg: DictConfig) -> None:
