@@ -35,8 +35,8 @@ S3 = ("s3", "s3a")
 CREDENTIALS_ENV = "SPEEDLLM_URL_CREDENTIALS"  # {"<protocol>://<host>": "<userinfo>"} of the URLs the config masks
 MASK = "***"
 _USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)([^/\s@'\"]+)@")
-# what a check made before launch waits for a silent server (seconds), then tries again as the protocol is configured
-QUICK_S3 = {"config_kwargs": {"connect_timeout": 5, "read_timeout": 5}, "retries": 1}
+QUICK_S = 3  # seconds a call made before launch waits for a silent server to connect, and then to answer
+
 
 
 def shown(url: Location) -> str:
@@ -154,10 +154,15 @@ def filesystem(url: str, key: str = "path", quick: bool = False):
 
     protocol = str(url).split("://", 1)[0]
     target, options = fsspec_target(url)
-    if quick and protocol in S3:
-        options = {**options, **QUICK_S3}
+    if quick and protocol in S3:  # AWS_MAX_ATTEMPTS tries (botocore's variable), 2 where it is not set
+        attempts = int(os.environ.get("AWS_MAX_ATTEMPTS") or 2)
+        options = {**options, "config_kwargs": {"connect_timeout": QUICK_S, "read_timeout": QUICK_S,
+                                                "retries": {"total_max_attempts": attempts}}}
     try:
-        return fsspec.core.url_to_fs(target, **options)
+        fs, path = fsspec.core.url_to_fs(target, **options)
+        if quick and protocol in S3:
+            fs.retries = 1  # s3fs's own retries on top of botocore's: none before launch (its instance alone)
+        return fs, path
     except ValueError:
         raise UserError(f"{key}={shown(url)}: unknown storage protocol '{protocol}://'; use a local path or an fsspec "
                         f"URL (s3://, gs://, file://, memory:// ...)") from None
@@ -322,7 +327,7 @@ def check(key: str, url: str, must_exist: bool, probe: bool = False) -> None:
     """Before any rank starts: `url`'s protocol is known and installed, its bucket (or root) is there, the
     credentials are accepted, with `must_exist` the object (or prefix, or glob) itself is there, and with `probe` a
     small object can be written there and deleted (what the first save would meet). A server that accepts the
-    connection but does not answer fails within seconds (QUICK_S3), naming the URL."""
+    connection but does not answer fails within seconds (QUICK_S per attempt), naming the URL."""
     fs, p = filesystem(url, key, quick=True)
     bucket = p.split("/", 1)[0] if p and not p.startswith("/") else None
     try:
