@@ -38,9 +38,6 @@ def run(cfg: DictConfig) -> None:
 def main() -> None:
     """Run one config (or a `-m` sweep) from the command line; exit 1 if a sweep point failed, 2 if Hydra
     cannot compose the overrides."""
-    for name in ("SPEEDLLM_CACHE", "XDG_CACHE_HOME"):  # set but empty counts as unset (not the working directory)
-        if os.environ.get(name) == "":
-            del os.environ[name]
     user_wants_traces = "HYDRA_FULL_ERROR" in os.environ
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises composition errors to us instead of printing them
     try:

@@ -1,6 +1,9 @@
-"""Hostile inputs to storage URLs, grpo, distill and the hardware probe, met as a user meets them (launch.py): no
-output on top of an input, no credential printed or saved, no silently wrong run, file:// URLs as plain paths,
-what the first save would hit refused before step 1, and one line where there was an internal error."""
+"""Hostile inputs to storage URLs, grpo, distill and the hardware probe, met as a user meets them: no output on top
+of an input, no credential printed or saved, no silently wrong run, file:// URLs as plain paths, what the first save
+would hit refused before step 1, and one line where there was an internal error.
+
+Where the command line itself matters (Hydra's record of it, a process' exit code, its environment) the test runs
+launch.py; the other cases run launch() in this process on the composed config (tests/test_bad_inputs.py's way)."""
 
 import json
 import os
@@ -22,13 +25,18 @@ from speedllm.paths import ROOT
 
 pytestmark = pytest.mark.unit
 
-TESTS = Path(__file__).parent
-# RL with rewards a launched process imports: test_grpo_task's through PYTHONPATH (WITH_TESTS), or a built-in one
-WITH_TESTS = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
-BUILT_IN = [*RL, "rl.rewards=[{_target_: speedllm.train.rewards.think_format}]"]
+
+
+def refused(status, out, err, *names) -> str:
+    """launch()'s result: exit status 2 and one line naming `names` (the last line of stderr)."""
+    assert status == 2 and "Traceback" not in out + err and "internal error" not in out + err, out + err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and all(name in last for name in names), (names, last)
+    return last
 
 
 def one_line_error(code, out, err, *names):
+    """launch.py's result: exit code 2, and one line on stderr naming `names`."""
     assert code == 2 and "Traceback" not in out + err and "internal error" not in out + err, out + err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
@@ -54,7 +62,7 @@ def launch_env(run_dir, *overrides, env, cwd=None, timeout=300):
 
 # ------------------------------------------------------------------------------------ inputs and outputs
 
-def test_distill_onto_its_teacher_is_refused_and_the_teacher_kept(tmp_path, launch, save_tiny_hf):
+def test_distill_onto_its_teacher_is_refused_and_the_teacher_kept(tmp_path, capsys, save_tiny_hf):
     """checkpoint.dir = the teacher's directory, by its path and through a symbolic link: one line naming both
     keys, exit 2, the teacher byte for byte as before."""
     teacher = tmp_path / "teacher"
@@ -62,100 +70,58 @@ def test_distill_onto_its_teacher_is_refused_and_the_teacher_kept(tmp_path, laun
     link = tmp_path / "link"
     link.symlink_to(teacher)
     before = tree_hash(teacher)
+    distill = ["task=distill", "hardware=cpu", "data=sft_demo", *SMALL, f"distill.teacher={teacher}"]
     for where in (teacher, link):
-        code, out, err = launch(tmp_path / "run", "task=distill", "hardware=cpu", "data=sft_demo", *SMALL,
-                                f"distill.teacher={teacher}", f"checkpoint.dir={where}")
-        one_line_error(code, out, err, f"checkpoint.dir={where}", f"the input distill.teacher={teacher}")
+        refused(*run_inprocess(tmp_path, capsys, *distill, f"checkpoint.dir={where}"), f"checkpoint.dir={where} "
+                f"would write over the input distill.teacher={teacher}; choose another checkpoint.dir")
     assert tree_hash(teacher) == before and not (tmp_path / "run").exists()
 
 
-def test_a_resume_may_write_beside_what_it_loads_but_not_into_the_data(tmp_path, launch):
-    """checkpoint.dir holding checkpoint.load (a resume) passes; checkpoint.dir holding the training data does not."""
+def test_checkpoint_dir_may_hold_what_it_resumes_but_not_the_data(tmp_path, capsys):
+    """checkpoint.dir holding the training data (data.path's .bin/.idx) is refused; holding checkpoint.load (a
+    resume) is not."""
+    from speedllm.data.preprocess import preprocess
+
     prefix = tmp_path / "ck" / "corpus"
-    code, out, err = launch(tmp_path / "prep", "task=preprocess", f"data.input={ROOT / 'speedllm/assets/corpus'}/*",
-                            f"data.output_prefix={prefix}", "logging.progress_bar=false")
-    assert code == 0, out + err
-    code, out, err = launch(tmp_path / "run", *TINY, "train.steps=1", f"data.path={prefix}",
-                            f"checkpoint.dir={tmp_path / 'ck'}")
-    one_line_error(code, out, err, f"checkpoint.dir={tmp_path / 'ck'}", "the input data.path=")
-
-
-# ------------------------------------------------------------------------------------------- secrets
-
-SECRETS = ("AKIDLEAKCHECK77", "Sup3rSecretValue", "webuser", "WebPassw0rdX", "ftpuser", "FtpSecret99",
-           "TOKENONLYUSER88")
-
-
-def test_credentials_in_urls_are_never_printed_logged_or_saved(tmp_path, s3):
-    """Four URL forms with credentials: an s3:// checkpoint.dir with key and secret trains and saves (the secret
-    reaches s3fs, not config.yaml); https://, ftp:// and an s3:// user alone are refused in one line. No credential
-    is in stdout, stderr or any file the runs wrote (locally or in the bucket); the masked form is."""
-    bucket = s3.bucket("secret")
-    refused_input = tmp_path / "sft.jsonl"
-    refused_input.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
-                                                      {"role": "assistant", "content": "yo"}]}) + "\n")
-    cases = [
-        ([*TINY, "train.steps=1", f"checkpoint.dir=s3://AKIDLEAKCHECK77:Sup3rSecretValue@{bucket}/run"], 0,
-         f"s3://***@{bucket}/run"),
-        ([*TINY, "task=convert", "convert.to=dcp", "model=hf",
-          "checkpoint.load_hf=https://webuser:WebPassw0rdX@127.0.0.1:9/model", f"convert.out={tmp_path / 'out'}"],
-         2, "checkpoint.load_hf=https://***@127.0.0.1:9/model"),
-        ([*TINY, "train.steps=1", "checkpoint.dir=ftp://ftpuser:FtpSecret99@127.0.0.1:9/run"], 2,
-         "checkpoint.dir=ftp://***@127.0.0.1:9/run"),
-        ([*TINY, "task=sft", "data=sft_demo", "train.steps=1", f"data.input=s3://TOKENONLYUSER88@{bucket}/sft.jsonl"],
-         2, f"data.input=s3://***@{bucket}/sft.jsonl"),
-    ]
-    for n, (overrides, expected, shown) in enumerate(cases):
-        run_dir = tmp_path / f"run{n}"
-        code, out, err = launch_env(run_dir, *overrides, env=dict(os.environ))
-        assert code == expected, out + err
-        if expected == 2:
-            one_line_error(code, out, err, shown)
-        written = [p for p in run_dir.rglob("*") if p.is_file()]
-        texts = [out, err] + [p.read_text(errors="replace") for p in written]
-        if n == 0:
-            texts += [s3.fs().cat(p).decode(errors="replace") for p in s3.fs().find(f"{bucket}/run")]
-            assert shown in (run_dir / "config.yaml").read_text() and s3.fs().exists(f"{bucket}/run/latest")
-            assert {"launch.log", "config.yaml", "metrics.jsonl"} <= {p.name for p in written}
-        for secret in SECRETS:
-            assert not any(secret in text for text in texts), (secret, n)
+    prefix.parent.mkdir()
+    preprocess(str(ROOT / "speedllm/assets/corpus/*"), str(prefix), str(DEMO_TOKENIZER), workers=1, progress=False)
+    refused(*run_inprocess(tmp_path, capsys, *TINY, "train.steps=1", f"data.path={prefix}",
+                           f"checkpoint.dir={tmp_path / 'ck'}"), f"checkpoint.dir={tmp_path / 'ck'}",
+            f"the input data.path={prefix}.bin")
 
 
 # ------------------------------------------------------------------------------------------------ grpo
 
-def test_grpo_settings_that_gave_silently_wrong_runs_are_refused(tmp_path, launch):
+def test_grpo_settings_that_gave_silently_wrong_runs_are_refused(tmp_path, capsys):
     """Context parallelism (the gradient counted once per cp rank) and non-finite coefficients (a NaN loss every
     step) are refused before launch, naming the key."""
     cases = [(["parallel=cp2"], "parallel.cp=2"), (["rl.kl_coef=inf"], "rl.kl_coef=inf must be >= 0"),
              (["rl.overlong_buffer=2", "rl.overlong_penalty=nan"], "rl.overlong_penalty=nan must be >= 0"),
              (["rl.clip_high=-inf"], "rl.clip_high=-inf")]
     for overrides, message in cases:
-        one_line_error(*launch(tmp_path / "run", *TINY, *BUILT_IN, *overrides), message)
+        refused(*run_inprocess(tmp_path, capsys, *TINY, *RL, *overrides), message)
     assert not (tmp_path / "run").exists()
 
 
-def test_grpo_stops_after_max_bad_steps_without_saving(tmp_path):
+def test_grpo_stops_after_max_bad_steps_without_saving(tmp_path, capsys):
     """An LR that blows the weights up: every step after the first is non-finite; train.max_bad_steps=2 in a row
     stop the run in one line, and the bad state is not saved."""
-    code, out, err = launch_env(tmp_path / "run", *TINY, *RL, "optim.lr=1e30", "optim.weight_decay=0",
-                                "train.grad_clip=0", "train.steps=6", "train.max_bad_steps=2", "checkpoint.every=1",
-                                env=env_with(PYTHONPATH=WITH_TESTS))
-    one_line_error(code, out, err, "train: 2 consecutive steps had a non-finite loss or gradient",
-                   "train.max_bad_steps=2")
+    refused(*run_inprocess(tmp_path, capsys, *TINY, *RL, "optim.lr=1e30", "optim.weight_decay=0",
+                           "train.grad_clip=0", "train.steps=6", "train.max_bad_steps=2", "checkpoint.every=1"),
+            "train: 2 consecutive steps had a non-finite loss or gradient", "train.max_bad_steps=2")
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
     records = metrics(tmp_path / "run")
     bad = [r["step"] for r in records if r["skipped_steps"] > 0]
     assert bad and saved == [f"step_{s:08d}" for s in range(1, bad[0])], (saved, bad)
 
 
-REWARDS = '''
-import sys
-
 def exits(prompts, completions, **columns):
     sys.exit(0)
 
+
 def as_generator(prompts, completions, **columns):
     return (1.0 for _ in completions)
+
 
 def empties(prompts, completions, **columns):
     n = len(completions)
@@ -165,102 +131,68 @@ def empties(prompts, completions, **columns):
         v.clear()
     return [0.5] * n
 
+
 def counts(prompts, completions, completion_ids, **columns):
     return [float(len(completions) + len(prompts) + len(completion_ids))] * len(completions)
-'''
 
 
-def test_reward_functions_cannot_end_or_corrupt_the_run(tmp_path):
-    """A reward calling sys.exit(0): exit 2 and one line naming it (it ended the run with 0 and nothing saved). A
-    generator is read to its end; a reward that empties the lists it was given leaves the next one its own."""
-    (tmp_path / "my_rewards.py").write_text(REWARDS)
-    env = env_with(PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    exits = ["rl.rewards=[{_target_: my_rewards.exits}]"]
-    code, out, err = launch_env(tmp_path / "exits", *TINY, *RL, *exits, "train.steps=1", env=env)
-    one_line_error(code, out, err, "rl.rewards: exits called sys.exit(0)")
-    three = ["rl.rewards=[{_target_: my_rewards.as_generator}, {_target_: my_rewards.empties}, "
-             "{_target_: my_rewards.counts}]"]
-    code, out, err = launch_env(tmp_path / "ok", *TINY, *RL, *three, "train.steps=1", env=env)
-    assert code == 0, out + err
-    (record,) = metrics(tmp_path / "ok")
+def test_reward_functions_cannot_end_or_corrupt_the_run(tmp_path, capsys):
+    """A reward calling sys.exit(0): exit status 2 and one line naming it (it ended the run with 0, nothing saved).
+    A generator is read to its end; a reward that empties the lists it was given leaves the next one its own."""
+    refused(*run_inprocess(tmp_path, capsys, *TINY, *RL, "train.steps=1",
+                           "rl.rewards=[{_target_: test_hostile_io.exits}]"), "rl.rewards: exits called sys.exit(0)")
+    rewards = ("rl.rewards=[{_target_: test_hostile_io.as_generator}, {_target_: test_hostile_io.empties}, "
+               "{_target_: test_hostile_io.counts}]")
+    status, out, err = run_inprocess(tmp_path, capsys, *TINY, *RL, "train.steps=1", rewards)
+    assert status == 0, out + err
+    (record,) = metrics(tmp_path / "run")
     rows = 4 * 4  # rl.prompts_per_step x rl.group_size
     assert record["rl/reward/as_generator"] == 1.0 and record["rl/reward/empties"] == 0.5
     assert record["rl/reward/counts"] == 3 * rows
 
 
-def test_chat_prompts_without_a_chat_template_are_one_line(tmp_path, launch):
+def test_chat_prompts_without_a_chat_template_are_one_line(tmp_path, capsys):
     plain = tmp_path / "tok"
     shutil.copytree(DEMO_TOKENIZER, plain)
     config = json.loads((plain / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
     (plain / "tokenizer_config.json").write_text(json.dumps(config))
     assert not (plain / "chat_template.jinja").exists()
-    one_line_error(*launch(tmp_path / "run", *TINY, *BUILT_IN, f"data.tokenizer={plain}"), "prompts.jsonl:1: chat "
-                   "messages need the tokenizer's chat template")
+    refused(*run_inprocess(tmp_path, capsys, *TINY, *RL, f"data.tokenizer={plain}"), "prompts.jsonl:1: chat "
+            "messages need the tokenizer's chat template")
 
 
 # -------------------------------------------------------------------------------------------- file://
 
-def test_file_urls_train_save_and_resume_like_the_plain_path(tmp_path, launch):
+def test_file_urls_train_save_and_resume_like_the_plain_path(tmp_path, capsys, monkeypatch):
     """checkpoint.dir=file:///...: trains, saves there, and resumes from it with the losses of the uninterrupted
     run bit for bit; file: with one slash and a relative file:// are refused before launch."""
-    run = [*TINY, "train.steps=3", "checkpoint.every=1"]
-    code, out, err = launch(tmp_path / "straight", *run)
-    assert code == 0, err
+    run = [*TINY, "train.steps=2", "checkpoint.every=1"]
+    status, out, err = run_inprocess(tmp_path / "straight", capsys, *run)
+    assert status == 0, err
     url = f"file://{tmp_path / 'ck'}"
-    code, out, err = launch(tmp_path / "url", *run, f"checkpoint.dir={url}", "train.stop_after=2")
-    assert code == 0, err
-    assert (tmp_path / "ck" / "latest").read_text().strip() == "step_00000002"
-    code, out, err = launch(tmp_path / "url", *run, f"checkpoint.dir={url}", "checkpoint.load=auto")
-    assert code == 0 and f"resumed from {tmp_path / 'ck'}/step_00000002 at step 2" in out, out + err
-    assert [(r["step"], r["loss"]) for r in metrics(tmp_path / "url")] == \
-        [(r["step"], r["loss"]) for r in metrics(tmp_path / "straight")]
+    status, out, err = run_inprocess(tmp_path / "url", capsys, *run, f"checkpoint.dir={url}", "train.stop_after=1")
+    assert status == 0, err
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "step_00000001"
+    status, out, err = run_inprocess(tmp_path / "url", capsys, *run, f"checkpoint.dir={url}", "checkpoint.load=auto")
+    assert status == 0 and f"resumed from {tmp_path / 'ck'}/step_00000001 at step 1" in out, out + err
+    assert [(r["step"], r["loss"]) for r in metrics(tmp_path / "url" / "run")] == \
+        [(r["step"], r["loss"]) for r in metrics(tmp_path / "straight" / "run")]
+    monkeypatch.chdir(tmp_path / "url")
     for bad, fix in ((f"file:{tmp_path}/x", f"give checkpoint.dir=file://{tmp_path}/x"),
                      ("file://relative/x", "file:// needs an absolute path")):
-        one_line_error(*launch(tmp_path / "bad", *run, f"checkpoint.dir={bad}", cwd=tmp_path / "cwd"), fix)
-    assert not (tmp_path / "bad").exists() and not any((tmp_path / "cwd").iterdir())
-
-
-# ------------------------------------------------------------------------------------ remote inputs
-
-def test_grpo_prompts_sft_records_and_a_distill_teacher_from_s3(tmp_path, s3, save_tiny_hf):
-    """data.input=s3://... for grpo and sft, distill.teacher=s3://...: each run trains a step on the local copy in
-    data.cache_dir, byte for byte the object."""
-    bucket = s3.bucket("inputs")
-    fs = s3.fs()
-    prompts = ROOT / "speedllm" / "assets" / "rl_demo" / "prompts.jsonl"
-    sft = ROOT / "speedllm" / "assets" / "sft_demo" / "messages.jsonl"
-    fs.put_file(str(prompts), f"{bucket}/prompts.jsonl")
-    fs.put_file(str(sft), f"{bucket}/sft.jsonl")
-    save_tiny_hf(tmp_path / "teacher", vocab_size=8192)
-    fs.put(str(tmp_path / "teacher") + "/", f"{bucket}/teacher/", recursive=True)
-    cache = f"data.cache_dir={tmp_path / 'cache'}"
-    runs = {
-        "grpo": ([*TINY, *BUILT_IN, "train.steps=1", f"data.input=s3://{bucket}/prompts.jsonl"], "data.input", prompts),
-        "sft": ([*TINY, "task=sft", "data=sft_demo", "train.steps=1", f"data.input=s3://{bucket}/sft.jsonl"],
-                "data.input", sft),
-        "distill": ([*TINY, "task=distill", "data=sft_demo", "data.packing=false", "train.seq_len=64",
-                     "train.steps=1", f"distill.teacher=s3://{bucket}/teacher"], "distill.teacher",
-                    tmp_path / "teacher" / "config.json"),
-    }
-    for name, (overrides, key, original) in runs.items():
-        code, out, err = launch_env(tmp_path / name, *overrides, cache, env=dict(os.environ))
-        assert code == 0, (name, out + err)
-        assert [r["step"] for r in metrics(tmp_path / name)] == [1], name
-        value = OmegaConf.select(OmegaConf.load(tmp_path / name / "config.yaml"), key)
-        local = Path(value if isinstance(value, str) else value[0])
-        local = local / original.name if local.is_dir() else local
-        assert str(local).startswith(str(tmp_path / "cache")) and local.read_bytes() == original.read_bytes(), name
+        refused(*run_inprocess(tmp_path, capsys, *run, f"checkpoint.dir={bad}"), fix)
+    assert not (tmp_path / "run").exists() and not list((tmp_path / "url").glob("file*"))
 
 
 # ------------------------------------------------------------------------------ refused before step 1
 
 @pytest.mark.skipif(os.geteuid() != 0 or not os.access("/sys/fs", os.W_OK), reason="needs root, where os.access "
                     "says a read-only sysfs folder is writable")
-def test_a_read_only_checkpoint_dir_is_refused_before_step_1_as_root(tmp_path, launch):
+def test_a_read_only_checkpoint_dir_is_refused_before_step_1_as_root(tmp_path, capsys):
     """As root os.access says /sys/fs is writable; no file can be made there. Refused before launch."""
-    code, out, err = launch(tmp_path / "run", *TINY, "train.steps=1", "checkpoint.dir=/sys/fs/speedllm-run")
-    one_line_error(code, out, err, "checkpoint.dir=/sys/fs/speedllm-run: a file cannot be written in /sys/fs")
+    status, out, err = run_inprocess(tmp_path, capsys, *TINY, "train.steps=1", "checkpoint.dir=/sys/fs/speedllm-run")
+    refused(status, out, err, "checkpoint.dir=/sys/fs/speedllm-run: a file cannot be written in /sys/fs")
     assert "step 1" not in out and not (tmp_path / "run").exists()
 
 
@@ -296,27 +228,32 @@ def test_a_corrupt_probe_cache_is_measured_again(corrupt, tmp_path, monkeypatch,
     assert f"note: {path} holds no valid measurement" in capsys.readouterr().out
 
 
-def test_a_zero_probe_cache_is_measured_again_through_the_launcher(tmp_path):
+def test_a_zero_probe_cache_is_measured_again_by_a_run(tmp_path, monkeypatch, capsys):
     """hardware.dtype=auto on a cache of zeros (a division by zero before): measured again, the run goes on."""
-    env = env_with(XDG_CACHE_HOME=str(tmp_path / "cache"))
-    code, out, err = launch_env(tmp_path / "run", "task=doctor", "hardware.dtype=auto", env=env)
-    assert code == 0, out + err
-    (path,) = (tmp_path / "cache" / "speedllm" / "probe").glob("gemm_*.json")
+    from speedllm.hardware import probe_file
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = probe_file()
+    path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"float32": 0, "bfloat16": 0}))
-    code, out, err = launch_env(tmp_path / "run", "task=doctor", "hardware.dtype=auto", env=env)
-    assert code == 0 and f"note: {path} holds no valid measurement" in out, out + err
+    status, out, err = run_inprocess(tmp_path, capsys, "task=doctor", "hardware.dtype=auto")
+    assert status == 0 and f"note: {path} holds no valid measurement" in out, out + err
     assert all(v > 0 for v in json.loads(path.read_text()).values())
 
 
-def test_empty_cache_variables_write_nothing_into_the_working_directory(tmp_path):
-    """SPEEDLLM_CACHE= and XDG_CACHE_HOME= (set, empty) count as unset: the tokenized demo corpus and the kernel
+def test_empty_cache_variables_write_nothing_into_the_working_directory(tmp_path, monkeypatch, capsys):
+    """SPEEDLLM_CACHE= and XDG_CACHE_HOME= (set, empty) count as unset: the tokenized demo corpus and the probe
     cache go under $HOME/.cache, nothing into the working directory."""
     home, work = tmp_path / "home", tmp_path / "work"
     work.mkdir()
-    env = env_with(SPEEDLLM_CACHE="", XDG_CACHE_HOME="", HOME=str(home))
-    code, out, err = launch_env(tmp_path / "run", *TINY, "train.steps=1", env=env, cwd=work)
-    assert code == 0, out + err
-    assert list(work.iterdir()) == [] and (home / ".cache" / "speedllm").is_dir()
+    for name, value in (("SPEEDLLM_CACHE", ""), ("XDG_CACHE_HOME", ""), ("HOME", str(home))):
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(work)
+    status, out, err = run_inprocess(tmp_path, capsys, *TINY, "train.steps=1")
+    assert status == 0, out + err
+    assert list(work.iterdir()) == []
+    assert list((home / ".cache" / "speedllm" / "probe").glob("gemm_*.json"))
+    assert list((home / ".cache" / "speedllm" / "demo").iterdir())
 
 
 # ------------------------------------------------------------------------ internal errors, now one line
@@ -340,3 +277,76 @@ def test_former_internal_errors_are_one_line(tmp_path, capsys, monkeypatch, save
     assert status == 2 and "distill.teacher_quant=int8_wo needs torchao, which is not installed" in err, err
     status, out, err = run_inprocess(tmp_path, capsys, *TINY, "checkpoint.dir=ftp://127.0.0.1:9/run")
     assert status == 2 and "error: checkpoint.dir=ftp://127.0.0.1:9/run: the storage could not be reached" in err, err
+
+
+# ------------------------------------------------------------------------------------------- secrets
+
+SECRETS = ("AKIDLEAKCHECK77", "Sup3rSecretValue", "webuser", "WebPassw0rdX", "ftpuser", "FtpSecret99",
+           "TOKENONLYUSER88")
+
+
+def test_credentials_in_urls_are_never_printed_logged_or_saved(tmp_path, s3, capsys, monkeypatch):
+    """Four URL forms with credentials: an s3:// checkpoint.dir with key and secret trains and saves (the secret
+    reaches s3fs, not config.yaml); https://, ftp:// and an s3:// user alone are refused in one line. No credential
+    is in stdout, stderr or any file the runs wrote (Hydra's record of the command line included, locally or in
+    the bucket); the masked form is."""
+    from speedllm.storage import CREDENTIALS_ENV
+
+    bucket = s3.bucket("secret")
+    run_dir = tmp_path / "accepted"
+    code, out, err = launch_env(run_dir, *TINY, "train.steps=1",
+                                f"checkpoint.dir=s3://AKIDLEAKCHECK77:Sup3rSecretValue@{bucket}/run", env=os.environ)
+    assert code == 0 and s3.fs().exists(f"{bucket}/run/latest"), out + err
+    written = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert {"launch.log", "config.yaml", "metrics.jsonl", "overrides.yaml"} <= {p.name for p in written}
+    assert f"dir: s3://***@{bucket}/run" in (run_dir / "config.yaml").read_text()
+    texts = [out, err, *(p.read_text(errors="replace") for p in written),
+             *(s3.fs().cat(p).decode(errors="replace") for p in s3.fs().find(f"{bucket}/run"))]
+    monkeypatch.setenv(CREDENTIALS_ENV, "")  # the refused runs below run here: their credentials leave with the test
+    cases = [
+        (["task=convert", "convert.to=dcp", "model=hf", f"convert.out={tmp_path / 'out'}",
+          "checkpoint.load_hf=https://webuser:WebPassw0rdX@127.0.0.1:9/model"],
+         "checkpoint.load_hf=https://***@127.0.0.1:9/model"),
+        (["checkpoint.dir=ftp://ftpuser:FtpSecret99@127.0.0.1:9/run"], "checkpoint.dir=ftp://***@127.0.0.1:9/run"),
+        (["task=sft", "data=sft_demo", f"data.input=s3://TOKENONLYUSER88@{bucket}/sft.jsonl"],
+         f"data.input=s3://***@{bucket}/sft.jsonl"),
+    ]
+    for overrides, shown in cases:
+        status, out, err = run_inprocess(tmp_path, capsys, *TINY, "train.steps=1", *overrides)
+        refused(status, out, err, shown)
+        texts += [out, err]
+    assert not (tmp_path / "run").exists()  # refused: the run directory went with it
+    for secret in SECRETS:
+        assert not any(secret in text for text in texts), secret
+
+
+# ------------------------------------------------------------------------------------ remote inputs
+
+def test_grpo_prompts_sft_records_and_a_distill_teacher_from_s3(tmp_path, s3, capsys, save_tiny_hf):
+    """data.input=s3://... for grpo and sft, distill.teacher=s3://...: each run trains a step on the local copy in
+    data.cache_dir, byte for byte the object."""
+    bucket = s3.bucket("inputs")
+    fs = s3.fs()
+    prompts = ROOT / "speedllm" / "assets" / "rl_demo" / "prompts.jsonl"
+    sft = ROOT / "speedllm" / "assets" / "sft_demo" / "messages.jsonl"
+    fs.put_file(str(prompts), f"{bucket}/prompts.jsonl")
+    fs.put_file(str(sft), f"{bucket}/sft.jsonl")
+    save_tiny_hf(tmp_path / "teacher", vocab_size=8192)
+    fs.put(str(tmp_path / "teacher") + "/", f"{bucket}/teacher/", recursive=True)
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    runs = {
+        "grpo": ([*TINY, *RL, "train.steps=1", f"data.input=s3://{bucket}/prompts.jsonl"], "data.input", prompts),
+        "sft": ([*TINY, "task=sft", "data=sft_demo", "train.steps=1", f"data.input=s3://{bucket}/sft.jsonl"],
+                "data.input", sft),
+        "distill": ([*TINY, "task=distill", "data=sft_demo", "data.packing=false", "train.seq_len=64",
+                     "train.steps=1", f"distill.teacher=s3://{bucket}/teacher"], "distill.teacher",
+                    tmp_path / "teacher" / "config.json"),
+    }
+    for name, (overrides, key, original) in runs.items():
+        status, out, err = run_inprocess(tmp_path / name, capsys, *overrides, cache)
+        assert status == 0, (name, out + err)
+        assert [r["step"] for r in metrics(tmp_path / name / "run")] == [1], name
+        value = OmegaConf.select(OmegaConf.load(tmp_path / name / "run" / "config.yaml"), key)
+        local = Path(value if isinstance(value, str) else value[0])
+        local = local / original.name if local.is_dir() else local
+        assert str(local).startswith(str(tmp_path / "cache")) and local.read_bytes() == original.read_bytes(), name

@@ -53,8 +53,10 @@ def _mended(node, key: str) -> None:
             continue
         value = child._value()
         if isinstance(value, str):
-            value = storage.hide_credentials(value) if "@" in value else value
-            node[name] = file_path(dotted, value) if dotted in PATH_KEYS else value
+            mended = storage.hide_credentials(value) if "@" in value else value
+            mended = file_path(dotted, mended) if dotted in PATH_KEYS else mended
+            if mended != value:
+                node[name] = mended
 
 
 def mend_locations(cfg: DictConfig) -> None:
@@ -64,8 +66,8 @@ def mend_locations(cfg: DictConfig) -> None:
 
 
 def _real(path) -> str:
-    if storage.is_url(path):
-        return storage.fsspec_target(path)[0].rstrip("/").split("@", 1)[-1]
+    if storage.is_url(path):  # without its credentials, masked or not
+        return storage.shown(path).replace(f"{storage.MASK}@", "").rstrip("/")
     return os.path.realpath(os.path.expanduser(str(path)))
 
 
