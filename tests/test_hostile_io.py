@@ -25,6 +25,7 @@ from speedllm.paths import ROOT
 
 pytestmark = pytest.mark.unit
 
+SMALL_RL = ["rl.prompts_per_step=2", "rl.group_size=2"]
 
 
 def refused(status, out, err, *names) -> str:
@@ -84,7 +85,9 @@ def test_checkpoint_dir_may_hold_what_it_resumes_but_not_the_data(tmp_path, caps
 
     prefix = tmp_path / "ck" / "corpus"
     prefix.parent.mkdir()
-    preprocess(str(ROOT / "speedllm/assets/corpus/*"), str(prefix), str(DEMO_TOKENIZER), workers=1, progress=False)
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"To be or not to be, {i} times."}) + "\n" for i in range(64)))
+    preprocess(str(docs), str(prefix), str(DEMO_TOKENIZER), workers=1, progress=False)
     refused(*run_inprocess(tmp_path, capsys, *TINY, "train.steps=1", f"data.path={prefix}",
                            f"checkpoint.dir={tmp_path / 'ck'}"), f"checkpoint.dir={tmp_path / 'ck'}",
             f"the input data.path={prefix}.bin")
@@ -106,7 +109,7 @@ def test_grpo_settings_that_gave_silently_wrong_runs_are_refused(tmp_path, capsy
 def test_grpo_stops_after_max_bad_steps_without_saving(tmp_path, capsys):
     """An LR that blows the weights up: every step after the first is non-finite; train.max_bad_steps=2 in a row
     stop the run in one line, and the bad state is not saved."""
-    refused(*run_inprocess(tmp_path, capsys, *TINY, *RL, "optim.lr=1e30", "optim.weight_decay=0",
+    refused(*run_inprocess(tmp_path, capsys, *TINY, *RL, *SMALL_RL, "optim.lr=1e30", "optim.weight_decay=0",
                            "train.grad_clip=0", "train.steps=6", "train.max_bad_steps=2", "checkpoint.every=1"),
             "train: 2 consecutive steps had a non-finite loss or gradient", "train.max_bad_steps=2")
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
@@ -335,7 +338,7 @@ def test_grpo_prompts_sft_records_and_a_distill_teacher_from_s3(tmp_path, s3, ca
     fs.put(str(tmp_path / "teacher") + "/", f"{bucket}/teacher/", recursive=True)
     cache = f"data.cache_dir={tmp_path / 'cache'}"
     runs = {
-        "grpo": ([*TINY, *RL, "train.steps=1", f"data.input=s3://{bucket}/prompts.jsonl"], "data.input", prompts),
+        "grpo": ([*TINY, *RL, *SMALL_RL, "train.steps=1", f"data.input=s3://{bucket}/prompts.jsonl"], "data.input", prompts),
         "sft": ([*TINY, "task=sft", "data=sft_demo", "train.steps=1", f"data.input=s3://{bucket}/sft.jsonl"],
                 "data.input", sft),
         "distill": ([*TINY, "task=distill", "data=sft_demo", "data.packing=false", "train.seq_len=64",
