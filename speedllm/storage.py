@@ -2,16 +2,17 @@
 
 A local path stays a `pathlib.Path` and goes through the ordinary file functions, so local runs behave exactly as
 they always did. A URL (`s3://bucket/run`, `gs://...`, `file:///...`, `memory://...`) goes through fsspec; its
-protocol's package is an extra (`pip install 'speedllm[s3]'` brings s3fs). Credentials and endpoints are never ours:
+protocol's package is an extra (`pip install 'speedllm[s3]'` brings s3fs). Credentials and endpoints are not our settings:
 the protocol's package reads them from the environment or its usual config (for S3: AWS_ACCESS_KEY_ID /
 AWS_SECRET_ACCESS_KEY or ~/.aws, AWS_ENDPOINT_URL for an S3-compatible store). Object stores have no rename, so
 what must appear whole is written as one object (`write_text`), and a run marks what it finished by writing a
 pointer last.
 
-Credentials written into a URL (`s3://KEY:SECRET@bucket/run`, `https://user:password@host/...`) never reach a
-log, an error line or a saved config: at launch the config holds the URL masked (`s3://***@bucket/run`, `shown`)
-and the credentials live only in the environment of the run's processes (CREDENTIALS_ENV), from which
-`filesystem` puts them back (for s3://, as s3fs's key and secret); `scrub` masks them in any text printed.
+Credentials may also be written into a URL (`s3://KEY:SECRET@bucket/run`, `https://user:password@host/...`); they
+never reach a log, an error line or a saved config: at launch the config holds the URL masked
+(`s3://***@bucket/run`, `shown`) and the credentials live only in the environment of the run's processes
+(CREDENTIALS_ENV), from which `filesystem` puts them back (for s3://, as s3fs's key and secret); `scrub` masks them
+in any text printed.
 """
 
 import contextlib
@@ -36,7 +37,6 @@ CREDENTIALS_ENV = "SPEEDLLM_URL_CREDENTIALS"  # {"<protocol>://<host>": "<userin
 MASK = "***"
 _USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)([^/\s@'\"]+)@")
 QUICK_S = 3  # seconds a call made before launch waits for a silent server to connect, and then to answer
-
 
 
 def shown(url: Location) -> str:
