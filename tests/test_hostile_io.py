@@ -303,6 +303,7 @@ def test_credentials_in_urls_are_never_printed_logged_or_saved(tmp_path, s3, cap
     written = [p for p in run_dir.rglob("*") if p.is_file()]
     assert {"launch.log", "config.yaml", "metrics.jsonl", "overrides.yaml"} <= {p.name for p in written}
     assert f"dir: s3://***@{bucket}/run" in (run_dir / "config.yaml").read_text()
+    assert not [p for p in s3.fs().find(bucket) if ".speedllm-probe" in p]  # the write probe was deleted
     texts = [out, err, *(p.read_text(errors="replace") for p in written),
              *(s3.fs().cat(p).decode(errors="replace") for p in s3.fs().find(f"{bucket}/run"))]
     monkeypatch.setenv(CREDENTIALS_ENV, "")  # the refused runs below run here: their credentials leave with the test
