@@ -142,14 +142,14 @@ def counts(prompts, completions, completion_ids, **columns):
 def test_reward_functions_cannot_end_or_corrupt_the_run(tmp_path, capsys):
     """A reward calling sys.exit(0): exit status 2 and one line naming it (it ended the run with 0, nothing saved).
     A generator is read to its end; a reward that empties the lists it was given leaves the next one its own."""
-    refused(*run_inprocess(tmp_path, capsys, *TINY, *RL, "train.steps=1",
+    refused(*run_inprocess(tmp_path, capsys, *TINY, *RL, *SMALL_RL, "train.steps=1",
                            "rl.rewards=[{_target_: test_hostile_io.exits}]"), "rl.rewards: exits called sys.exit(0)")
     rewards = ("rl.rewards=[{_target_: test_hostile_io.as_generator}, {_target_: test_hostile_io.empties}, "
                "{_target_: test_hostile_io.counts}]")
-    status, out, err = run_inprocess(tmp_path, capsys, *TINY, *RL, "train.steps=1", rewards)
+    status, out, err = run_inprocess(tmp_path, capsys, *TINY, *RL, *SMALL_RL, "train.steps=1", rewards)
     assert status == 0, out + err
     (record,) = metrics(tmp_path / "run")
-    rows = 4 * 4  # rl.prompts_per_step x rl.group_size
+    rows = 2 * 2  # rl.prompts_per_step x rl.group_size
     assert record["rl/reward/as_generator"] == 1.0 and record["rl/reward/empties"] == 0.5
     assert record["rl/reward/counts"] == 3 * rows
 
