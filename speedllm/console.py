@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from speedllm.errors import UserError, one_line
+from speedllm.storage import scrub
 
 LOG_NAME = "launch.log"
 # Files a run directory holds before the task writes anything: Hydra's record of the job, the log, the frozen config.
@@ -23,9 +24,10 @@ class _Tee(io.TextIOBase):
         self.console, self.log = console, log
 
     def write(self, text: str) -> int:
-        self.console.write(text)
-        if "\r" not in text or "\n" in text:
-            self.log.write(text.replace("\r", ""))
+        shown = scrub(text)  # no credential of a URL is ever shown or logged
+        self.console.write(shown)
+        if "\r" not in shown or "\n" in shown:
+            self.log.write(shown.replace("\r", ""))
             self.log.flush()
         return len(text)
 
@@ -94,11 +96,19 @@ def _user_error_inside(e: BaseException):
 
 
 def _internal_error(e: BaseException, log, run_dir: Path, prefix: str) -> int:
-    log.write(traceback.format_exc())
+    log.write(scrub(traceback.format_exc()))
     log.flush()
     print(f"internal error: {prefix}{one_line(e, 300)}; full traceback in {run_dir / LOG_NAME}; please report it",
           file=sys.stderr)
     return 1
+
+
+def scrub_run_files(run_dir: Path) -> None:
+    """Hydra's record of the command line (<run_dir>/.hydra) with the credentials of its URLs masked."""
+    for file in run_dir.glob(".hydra/*.yaml"):
+        text = file.read_text()
+        if scrub(text) != text:
+            file.write_text(scrub(text))
 
 
 def discard_run_dir(run_dir: Path) -> None:

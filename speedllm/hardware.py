@@ -6,9 +6,10 @@ profile's `peak_tflops` and `hardware.dtype=auto` are resolved.
 import hashlib
 import importlib.util
 import json
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Dict
+from typing import Callable, Dict
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -114,14 +115,20 @@ def probe_file(name: str = "gemm", detail: str = ""):
     return cache_dir().parent / "probe" / f"{name}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
-def measured_once(name: str, measure, detail: str = ""):
+def measured_once(name: str, measure, detail: str = "", valid=lambda value: True):
     """What `measure()` returns (JSON), measured once per machine and cached beside the kernel cache (probe_file;
-    measured anew where the cache cannot be written), so that every run on a machine sees the same figures."""
+    measured anew where the cache cannot be written), so that every run on a machine sees the same figures. A
+    cache that is not JSON, or whose value is not `valid`, is measured again (with a one-line note)."""
     path = probe_file(name, detail and f"|{detail}")
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        value = json.loads(path.read_text())
+        if valid(value):
+            return value
+        print(f"note: {path} holds no valid measurement ({str(value)[:60]}); measuring again")
+    except OSError:
         pass
+    except ValueError:
+        print(f"note: {path} is not JSON; measuring again")
     value = measure()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -136,8 +143,17 @@ def measured_once(name: str, measure, detail: str = ""):
 def cpu_probe() -> Dict[str, float]:
     """GEMM GFLOP/s per dtype of PROBED on this CPU at torch's thread count, measured once per machine."""
     gflops = measured_once("gemm", lambda: {name: round(_gemm_gflops(DTYPES[name], probe_rows(name, isa_features())),
-                                                        2) for name in PROBED})
+                                                        2) for name in PROBED}, valid=positive_rates(PROBED))
     return {k: float(v) for k, v in gflops.items()}
+
+
+def positive_rates(names) -> Callable:
+    """A check of a cached measurement: a dict with a finite positive number for each of `names`."""
+    def valid(value) -> bool:
+        return isinstance(value, dict) and all(
+            isinstance(value.get(n), (int, float)) and not isinstance(value.get(n), bool)
+            and math.isfinite(value[n]) and value[n] > 0 for n in names)
+    return valid
 
 
 def cpu_dtype(gflops: Dict[str, float]) -> str:

@@ -17,7 +17,7 @@ from speedllm.config import register_configs
 from speedllm.config.resolve import resolve
 from speedllm.config.schema import typed
 from speedllm.config.validate import validate
-from speedllm.console import console_log, discard_run_dir, guarded
+from speedllm.console import console_log, discard_run_dir, guarded, scrub_run_files
 from speedllm.errors import UserError, one_line
 from speedllm.runtime import Runtime, init_runtime, under_torchrun
 
@@ -93,6 +93,7 @@ def _run_under_torchrun(cfg: DictConfig) -> None:
 
 def freeze_and_run(cfg: DictConfig) -> None:
     world, nproc = resolve(cfg)  # fill in what the user left to us (hardware, checkpoint's model, layout) ...
+    scrub_run_files(Path(cfg.run_dir))  # URL credentials: masked in the config since resolve, now in Hydra's too
     validate(cfg, world, nproc)  # ... then one pre-flight pass over the final config
     cfg.run_dir = str(Path(cfg.run_dir).absolute())
     if under_torchrun():
@@ -114,6 +115,7 @@ def launch(cfg: DictConfig) -> int:
         run_dir = Path(str(cfg.run_dir)).absolute()
         with console_log(run_dir) as log:
             status = guarded(lambda: freeze_and_run(cfg), log, run_dir)
+    scrub_run_files(run_dir)
     if status == 2 or (status == 0 and cfg.task.name in KEEPS_NOTHING):
         discard_run_dir(run_dir)
     return status

@@ -27,7 +27,7 @@ _ISA_FLAGS = {"avx2": ["-mno-avx512f"]}
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "speedllm" / "kernels"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "speedllm" / "kernels"  # "": unset
 
 
 def _cpuinfo(field: str) -> str:

@@ -1,11 +1,12 @@
-"""Outputs never touch inputs: collisions are refused before any work, files appear under their final name only
-when complete (temp name, then rename), and only directories this program made (marked) are ever deleted.
+"""Outputs never touch inputs: collisions are refused before any work (speedllm.config.locations), files appear
+under their final name only when complete (temp name, then rename), and only directories this program made (marked)
+are ever deleted.
 """
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
-from typing import Dict, Iterable
 
 from speedllm import storage
 from speedllm.errors import UserError
@@ -13,33 +14,12 @@ from speedllm.errors import UserError
 MARKER = ".speedllm"  # inside every directory we create and may later delete
 
 
-def _real(path) -> str:
-    return str(path).rstrip("/") if storage.is_url(path) else os.path.realpath(os.path.expanduser(str(path)))
-
-
-def check_no_collision(outputs: Dict[str, Iterable[str]], inputs: Dict[str, Iterable[str]]) -> None:
-    """Refuse when a file or directory an output would write is, holds, or lies inside an input.
-
-    Args:
-        outputs: key (e.g. "data.output_prefix") -> paths that key would write.
-        inputs: key -> paths that key reads.
-    """
-    for in_key, in_paths in inputs.items():
-        for in_path in in_paths:
-            src = _real(in_path)
-            for out_key, out_paths in outputs.items():
-                for out_path in out_paths:
-                    dst = _real(out_path)
-                    if dst == src or dst.startswith(src + os.sep) or src.startswith(dst + os.sep):
-                        raise UserError(f"{out_key} would write {out_path}, which is the input {in_key}={in_path}; "
-                                        f"choose another {out_key} so the input is kept")
-
-
-def check_writable(key: str, path: str, directory: bool = False) -> None:
+def check_writable(key: str, path: str, directory: bool = False, probe: bool = False) -> None:
     """The output `path` (a file, or a directory when `directory`) can be created where it is asked for; a URL's
-    protocol, bucket and credentials are checked (speedllm.storage.check)."""
+    protocol, bucket and credentials are checked (speedllm.storage.check). With `probe`, a file is written and
+    deleted where the directory is (or would be made): os.access says yes on a read-only mount as root."""
     if storage.is_url(path):
-        return storage.check(key, str(path), must_exist=False)
+        return storage.check(key, str(path), must_exist=False, probe=probe)
     p = Path(path).expanduser()
     if p.exists() and p.is_dir() != directory:
         kind = "a directory" if p.is_dir() else "a file"
@@ -51,6 +31,14 @@ def check_writable(key: str, path: str, directory: bool = False) -> None:
         raise UserError(f"{key}={path}: {parent} is a file, not a directory; choose another {key}")
     if not os.access(parent, os.W_OK):
         raise UserError(f"{key}={path}: {parent} is not writable; choose another {key}")
+    if probe:
+        where = p if p.is_dir() else parent
+        try:
+            with tempfile.NamedTemporaryFile(prefix=".speedllm-probe-", dir=where):
+                pass
+        except OSError as e:
+            raise UserError(f"{key}={path}: a file cannot be written in {where} ({e.strerror or e}); choose "
+                            f"another {key}") from None
 
 
 def make_scratch_dir(path: Path, key: str) -> Path:

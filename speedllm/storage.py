@@ -2,18 +2,27 @@
 
 A local path stays a `pathlib.Path` and goes through the ordinary file functions, so local runs behave exactly as
 they always did. A URL (`s3://bucket/run`, `gs://...`, `file:///...`, `memory://...`) goes through fsspec; its
-protocol's package is an extra (`pip install 'speedllm[s3]'` brings s3fs). Credentials and endpoints are never ours:
+protocol's package is an extra (`pip install 'speedllm[s3]'` brings s3fs). Credentials and endpoints are not our settings:
 the protocol's package reads them from the environment or its usual config (for S3: AWS_ACCESS_KEY_ID /
 AWS_SECRET_ACCESS_KEY or ~/.aws, AWS_ENDPOINT_URL for an S3-compatible store). Object stores have no rename, so
 what must appear whole is written as one object (`write_text`), and a run marks what it finished by writing a
 pointer last.
+
+Credentials may also be written into a URL (`s3://KEY:SECRET@bucket/run`, `https://user:password@host/...`); they
+never reach a log, an error line or a saved config: at launch the config holds the URL masked
+(`s3://***@bucket/run`, `shown`) and the credentials live only in the environment of the run's processes
+(CREDENTIALS_ENV), from which `filesystem` puts them back (for s3://, as s3fs's key and secret); `scrub` masks them
+in any text printed.
 """
 
 import contextlib
 import hashlib
+import json
 import os
+import re
 import shutil
 import tempfile
+import urllib.parse
 from pathlib import Path
 from typing import Iterator, List, Union
 
@@ -23,6 +32,69 @@ Location = Union[str, Path]
 
 # protocol -> the extra that installs its fsspec implementation (the others: fsspec's known_implementations name it)
 EXTRAS = {"s3": "s3", "s3a": "s3"}
+S3 = ("s3", "s3a")
+CREDENTIALS_ENV = "SPEEDLLM_URL_CREDENTIALS"  # {"<protocol>://<host>": "<userinfo>"} of the URLs the config masks
+MASK = "***"
+_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)([^/\s@'\"]+)@")
+QUICK_S = 3  # seconds a call made before launch waits for a silent server to connect, and then to answer
+
+
+def shown(url: Location) -> str:
+    """`url` as humans may see it: its userinfo (credentials) masked, `s3://***@bucket/run`."""
+    return _USERINFO.sub(rf"\1{MASK}@", str(url))
+
+
+def _credentials() -> dict:
+    return json.loads(os.environ.get(CREDENTIALS_ENV) or "{}")
+
+
+def _secrets() -> list:
+    """The credentials of this run, as given and decoded, and their parts (user, password) of 4+ characters."""
+    found = set()
+    for userinfo in _credentials().values():
+        for text in (userinfo, urllib.parse.unquote(userinfo)):
+            found.update([text, *(part for part in text.split(":") if len(part) >= 4)])
+    return sorted(found, key=len, reverse=True)
+
+
+def scrub(text: str) -> str:
+    """`text` with every URL's userinfo and every credential of this run masked (for a line printed or logged)."""
+    text = shown(text)
+    for secret in _secrets():
+        text = text.replace(secret, MASK)
+    return text
+
+
+def hide_credentials(url: str) -> str:
+    """A URL with credentials: them kept in this process' environment (inherited by its ranks), the URL masked."""
+    match = _USERINFO.match(url)
+    if match is None or match.group(2) == MASK:
+        return url
+    host = url[match.end():].split("/", 1)[0]
+    known = _credentials()
+    known[f"{match.group(1)}{host}"] = match.group(2)
+    os.environ[CREDENTIALS_ENV] = json.dumps(known)
+    return shown(url)
+
+
+def fsspec_target(url: Location) -> tuple:
+    """(URL, storage options) to hand fsspec for `url`: a masked URL's credentials put back from the environment
+    (for s3://, s3fs's key and secret: it reads none from a URL)."""
+    url = str(url)
+    match = _USERINFO.match(url)
+    if match is None:
+        return url, {}
+    rest = url[match.end():]
+    userinfo = match.group(2)
+    if userinfo == MASK:
+        userinfo = _credentials().get(f"{match.group(1)}{rest.split('/', 1)[0]}")
+        if userinfo is None:
+            raise UserError(f"{url}: the credentials of this URL are not known to this process; give the URL with "
+                            f"them again, or the credentials the way the protocol's package reads them")
+    if match.group(1).rstrip(":/") in S3:
+        user, _, password = (urllib.parse.unquote(x) for x in userinfo.partition(":"))
+        return match.group(1) + rest, {"key": user, "secret": password}
+    return f"{match.group(1)}{userinfo}@{rest}", {}
 
 
 def write_text_atomic(path: Path, text: str, key: str) -> None:
@@ -75,21 +147,33 @@ def name(path: Location) -> str:
     return str(path).rstrip("/").rsplit("/", 1)[-1] if is_url(path) else Path(path).name
 
 
-def filesystem(url: str, key: str = "path"):
-    """(fsspec filesystem, path inside it) of `url`; an unknown protocol or a missing package is one line."""
+def filesystem(url: str, key: str = "path", quick: bool = False):
+    """(fsspec filesystem, path inside it) of `url`; an unknown protocol, a missing package or a server that
+    cannot be reached is one line. `quick`: a call before launch, which waits seconds for a silent server."""
     import fsspec
 
     protocol = str(url).split("://", 1)[0]
+    target, options = fsspec_target(url)
+    if quick and protocol in S3:  # AWS_MAX_ATTEMPTS tries (botocore's variable), 2 where it is not set
+        attempts = int(os.environ.get("AWS_MAX_ATTEMPTS") or 2)
+        options = {**options, "config_kwargs": {"connect_timeout": QUICK_S, "read_timeout": QUICK_S,
+                                                "retries": {"total_max_attempts": attempts}}}
     try:
-        return fsspec.core.url_to_fs(str(url))
+        fs, path = fsspec.core.url_to_fs(target, **options)
+        if quick and protocol in S3:
+            fs.retries = 1  # s3fs's own retries on top of botocore's: none before launch (its instance alone)
+        return fs, path
     except ValueError:
-        raise UserError(f"{key}={url}: unknown storage protocol '{protocol}://'; use a local path or an fsspec URL "
-                        f"(s3://, gs://, file://, memory:// ...)") from None
+        raise UserError(f"{key}={shown(url)}: unknown storage protocol '{protocol}://'; use a local path or an fsspec "
+                        f"URL (s3://, gs://, file://, memory:// ...)") from None
     except ImportError as e:
         extra = EXTRAS.get(protocol)
         how = f"pip install 'speedllm[{extra}]'" if extra else "install fsspec's package for that protocol"
-        raise UserError(f"{key}={url} needs the '{protocol}://' storage package, which is not installed ({e.name or e}"
-                        f"); {how}") from None
+        raise UserError(f"{key}={shown(url)} needs the '{protocol}://' storage package, which is not installed "
+                        f"({e.name or e}); {how}") from None
+    except OSError as e:  # a protocol that connects when the filesystem is made (ftp://, sftp://)
+        raise UserError(f"{key}={shown(url)}: the storage could not be reached ({scrub(one_line(e))}); check the "
+                        "host and that it is up") from None
 
 
 def _fs(url: str):
@@ -239,10 +323,12 @@ def _made(folder: Location) -> str:
     return str(folder)
 
 
-def check(key: str, url: str, must_exist: bool) -> None:
+def check(key: str, url: str, must_exist: bool, probe: bool = False) -> None:
     """Before any rank starts: `url`'s protocol is known and installed, its bucket (or root) is there, the
-    credentials are accepted, and with `must_exist` the object (or prefix, or glob) itself is there."""
-    fs, p = filesystem(url, key)
+    credentials are accepted, with `must_exist` the object (or prefix, or glob) itself is there, and with `probe` a
+    small object can be written there and deleted (what the first save would meet). A server that accepts the
+    connection but does not answer fails within seconds (QUICK_S per attempt), naming the URL."""
+    fs, p = filesystem(url, key, quick=True)
     bucket = p.split("/", 1)[0] if p and not p.startswith("/") else None
     try:
         fs.invalidate_cache()
@@ -250,12 +336,18 @@ def check(key: str, url: str, must_exist: bool) -> None:
             try:
                 fs.ls(bucket, detail=False)  # raises what exists() hides: no credentials, access refused
             except FileNotFoundError:
-                raise UserError(f"{key}={url}: bucket '{bucket}' does not exist; create it or choose another") from None
+                raise UserError(f"{key}={shown(url)}: bucket '{bucket}' does not exist; create it or choose "
+                                "another") from None
         if must_exist and not (fs.exists(p) or fs.glob(p)):
-            raise UserError(f"{key}={url} does not exist; check the URL")
+            raise UserError(f"{key}={shown(url)} does not exist; check the URL")
+        if probe:
+            marker = f"{p.rstrip('/')}/.speedllm-probe-{os.getpid()}"
+            fs.pipe_file(marker, b"")
+            fs.rm(marker)
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - the protocol's own error (no credentials, refused, unreachable)
-        raise UserError(f"{key}={url}: the storage refused or could not be reached ({one_line(e)}); give credentials "
-                        "and endpoint the way the protocol's package reads them (for s3://: AWS_ACCESS_KEY_ID and "
-                        "AWS_SECRET_ACCESS_KEY or ~/.aws, AWS_ENDPOINT_URL for an S3-compatible store)") from None
+        raise UserError(f"{key}={shown(url)}: the storage refused or could not be reached ({scrub(one_line(e))}); "
+                        "give credentials and endpoint the way the protocol's package reads them (for s3://: "
+                        "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or ~/.aws, AWS_ENDPOINT_URL for an "
+                        "S3-compatible store)") from None

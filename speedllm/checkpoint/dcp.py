@@ -107,11 +107,17 @@ class SafeFsspecReader(_SafeMetadata, FsspecReader):
 
 
 def _reader(path) -> FileSystemReader:
-    return SafeFsspecReader(str(path)) if storage.is_url(path) else SafeReader(str(path))
+    if storage.is_url(path):
+        url, options = storage.fsspec_target(path)
+        return SafeFsspecReader(url, **options)
+    return SafeReader(str(path))
 
 
 def _writer(path) -> FileSystemWriter:
-    return FsspecWriter(str(path)) if storage.is_url(path) else FileSystemWriter(str(path))
+    if storage.is_url(path):
+        url, options = storage.fsspec_target(path)
+        return FsspecWriter(url, **options)
+    return FileSystemWriter(str(path))
 
 
 class SafePlanner(DefaultLoadPlanner):

@@ -1,5 +1,7 @@
 """The run config: typed schema (schema.py), cross-field rules (validate.py) and its registration with Hydra."""
 
+import os
+
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
@@ -28,13 +30,21 @@ def _cpu_peaks():
     return cpu_peaks()
 
 
+def _cache_home() -> str:
+    """`${cache_home:}`: data.cache_dir's default, SPEEDLLM_CACHE or $HOME/.cache/speedllm (a variable set to ""
+    counts as unset: it would be the working directory)."""
+    return os.environ.get("SPEEDLLM_CACHE") or f"{os.environ.get('HOME') or '.'}/.cache/speedllm"
+
+
 def register_configs() -> None:
     """Register the root schema, the `${asset:...}` resolver (absolute path under the bundled assets),
-    `${hf_model:...}`, and `${cpu_dtype:}` / `${cpu_peaks:}` (this CPU's measured choice and peaks)."""
+    `${hf_model:...}`, `${cache_home:}`, and `${cpu_dtype:}` / `${cpu_peaks:}` (this CPU's measured choice and peaks)."""
     if not OmegaConf.has_resolver("asset"):
         OmegaConf.register_new_resolver("asset", lambda rel: str(ASSETS / rel))
     if not OmegaConf.has_resolver("hf_model"):
         OmegaConf.register_new_resolver("hf_model", _hf_model, use_cache=True)
+    if not OmegaConf.has_resolver("cache_home"):
+        OmegaConf.register_new_resolver("cache_home", _cache_home)
     if not OmegaConf.has_resolver("cpu_dtype"):
         OmegaConf.register_new_resolver("cpu_dtype", _cpu_dtype)
         OmegaConf.register_new_resolver("cpu_peaks", _cpu_peaks)

@@ -1,5 +1,7 @@
 """Resolution: fill in what the user left to us, before the one pre-flight check (speedllm.config.validate).
 
+    file:// URLs, URL credentials -> plain paths; credentials masked (speedllm.config.locations)
+    remote model and data inputs -> local copies in data.cache_dir (checkpoint.load_hf, distill.teacher, data.input)
     hardware=auto        -> the profile of the devices this machine has (the hardware.* values typed kept)
     hardware.dtype=auto  -> on a CPU, what its GEMM probe shows faster; the CPU's peaks measured (speedllm.hardware)
     model=hf             -> the fields of checkpoint.load_hf's config.json, as values
@@ -16,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from speedllm import storage
 from speedllm.checkpoint.dcp import read_saved_config, resolve_load
+from speedllm.config.locations import mend_locations
 from speedllm.config.validate import validate_values
 from speedllm.errors import UserError
 from speedllm.hardware import detect, load_profile, resolve_dtype
@@ -25,8 +28,9 @@ from speedllm.runtime import under_torchrun
 
 def resolve(cfg: DictConfig) -> tuple[int, int]:
     """Resolve cfg in place (see the module docstring); returns (world_size, nproc_per_node)."""
+    mend_locations(cfg)
     resolve_hardware(cfg)
-    fetch_hf_dir(cfg)
+    fetch_inputs(cfg)
     resolve_model(cfg)
     validate_values(cfg)  # values first: a typo is named before a missing checkpoint, and the layout is derived
     if cfg.task.inference:  # from sane launcher counts and planner sizes
@@ -36,13 +40,23 @@ def resolve(cfg: DictConfig) -> tuple[int, int]:
     return resolve_layout(cfg)
 
 
-def fetch_hf_dir(cfg: DictConfig) -> None:
-    """checkpoint.load_hf as a URL: the directory's files copied once into data.cache_dir (per version), and
-    load_hf set to that copy, so everything after reads a local Hugging Face directory."""
-    url = cfg.checkpoint.load_hf
-    if url is not None and storage.is_url(url):
-        storage.check("checkpoint.load_hf", url, must_exist=True)
-        cfg.checkpoint.load_hf = str(storage.cached_dir(url, cfg.data.cache_dir))
+def fetch_inputs(cfg: DictConfig) -> None:
+    """Model directories (checkpoint.load_hf, distill.teacher: a Hugging Face directory) and the record files of
+    sft, dpo and grpo (data.input) given as URLs: their files copied once into data.cache_dir (per version), and the
+    key set to that copy, so everything after reads local files."""
+    task = cfg.task.name
+    for key in ("checkpoint.load_hf", "distill.teacher"):
+        url = OmegaConf.select(cfg, key)
+        if url is not None and storage.is_url(url) and (key != "distill.teacher" or task == "distill"):
+            storage.check(key, url, must_exist=True)
+            OmegaConf.update(cfg, key, str(storage.cached_dir(url, cfg.data.cache_dir)))
+    d = cfg.data
+    patterns = [] if d.input is None else [d.input] if isinstance(d.input, str) else list(d.input)
+    if task in ("sft", "dpo", "grpo") and any(storage.is_url(p) for p in patterns):
+        for p in patterns:
+            if storage.is_url(p):
+                storage.check("data.input", p, must_exist=True)
+        d.input = storage.local_inputs(patterns, d.cache_dir)
 
 
 def resolve_model(cfg: DictConfig) -> None:

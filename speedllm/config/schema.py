@@ -76,7 +76,7 @@ class DataConfig:
     append_eod: bool = True
     workers: int = 1
     on_error: str = "fail"  # fail | skip
-    cache_dir: str = "${oc.env:SPEEDLLM_CACHE,${oc.env:HOME,.}/.cache/speedllm}"
+    cache_dir: str = "${cache_home:}"  # SPEEDLLM_CACHE, else ~/.cache/speedllm
     # sft
     format: str = "pretrain"  # pretrain | alpaca | sharegpt | messages
     loss_on: str = "assistant"  # all | assistant | last

@@ -12,6 +12,7 @@ from glob import glob
 
 from omegaconf import DictConfig, OmegaConf
 
+from speedllm.config.locations import check_outputs
 from speedllm.errors import UserError
 from speedllm.generation.sampling import MIN_TEMPERATURE
 from speedllm.hardware import AUTO, DTYPES
@@ -130,6 +131,12 @@ VALUE_RULES = {
     "distill.ce_weight": (_fraction, "in [0, 1]"),
     "distill.on_policy": (_fraction, "in [0, 1]"),
     "distill.top_k": _at_least(1),  # null: the teacher's whole distribution
+    "rl.temperature": _above(0),
+    "rl.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "rl.kl_coef": _at_least(0),
+    "rl.clip_low": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "rl.clip_high": _at_least(0),
+    "rl.overlong_penalty": _at_least(0),
 }
 
 
@@ -192,6 +199,8 @@ def _extras(cfg: DictConfig):
         yield "task=serve", "uvicorn", "serve"
     if cfg.task.name == "evaluate" and cfg.evaluate.tasks:
         yield "evaluate.tasks", "lm_eval", "eval"
+    if cfg.task.name == "distill" and cfg.distill.teacher_quant != "none":
+        yield f"distill.teacher_quant={cfg.distill.teacher_quant}", "torchao", "quant"
 
 
 def _installed(module: str) -> bool:
@@ -238,38 +247,6 @@ def check_values(cfg: DictConfig) -> None:
         from speedllm.data.datasets import parse_split
 
         parse_split(cfg.data.split)
-
-
-def check_outputs(cfg: DictConfig) -> None:
-    """No output may write over an input: refused before any work."""
-    from speedllm.outputs import check_no_collision, check_writable
-
-    task, d, ck, gen = cfg.task.name, cfg.data, cfg.checkpoint, cfg.generate
-    inputs = {"data.tokenizer": [d.tokenizer]}
-    inputs.update({key: [value] for key, value in (("checkpoint.load", ck.load), ("checkpoint.load_hf", ck.load_hf))
-                   if value not in (None, "auto")})
-    for key, path in (("data.output_prefix", d.output_prefix), ("generate.output", gen.output)):
-        if path is not None and str(path).endswith(("/", os.sep)):
-            raise UserError(f"{key}={path} ends in '/', a folder; {key} names a file, e.g. {key}={path}"
-                            f"{'corpus' if key == 'data.output_prefix' else 'out.jsonl'}")
-    if task in ("pretrain", "sft", "dpo", "grpo", "distill"):  # every training run saves (at the end, or when stopped early)
-        check_writable("checkpoint.dir", ck.dir, directory=True)
-    if task == "preprocess":
-        patterns = [d.input] if isinstance(d.input, str) else list(d.input)
-        inputs["data.input"] = [f for pattern in patterns for f in (glob(str(pattern), recursive=True) or [pattern])]
-        outputs = {"data.output_prefix": [f"{d.output_prefix}{suffix}" for suffix in (".bin", ".idx", ".json")]}
-        check_writable("data.output_prefix", f"{d.output_prefix}.bin")
-    elif task == "generate" and gen.output is not None:
-        if gen.prompts_file is not None:
-            inputs["generate.prompts_file"] = [gen.prompts_file]
-        outputs = {"generate.output": [gen.output]}
-        check_writable("generate.output", gen.output)
-    elif task == "convert":
-        outputs = {"convert.out": [cfg.convert.out]}
-        check_writable("convert.out", cfg.convert.out, directory=True)
-    else:
-        return
-    check_no_collision(outputs, inputs)
 
 
 def check_model(cfg: DictConfig) -> None:
@@ -660,13 +637,12 @@ def check_rl(cfg: DictConfig) -> None:
     for key in ("prompts_per_step", "max_new_tokens", "ppo_epochs", "mini_batches"):
         if rl[key] < 1:
             raise UserError(f"rl.{key}={rl[key]} must be at least 1")
-    if not (rl.temperature > 0 and 0 < rl.top_p <= 1 and 0 <= rl.clip_low < 1 and rl.clip_high >= 0
-            and rl.kl_coef >= 0 and rl.overlong_buffer >= 0 and rl.max_resample >= 0):
-        raise UserError(f"rl.temperature={rl.temperature} must be > 0, rl.top_p={rl.top_p} in (0, 1], rl.clip_low="
-                        f"{rl.clip_low} in [0, 1), rl.clip_high={rl.clip_high}, rl.kl_coef={rl.kl_coef}, "
-                        f"rl.overlong_buffer={rl.overlong_buffer} and rl.max_resample={rl.max_resample} >= 0")
-    if p.pp > 1:
-        raise UserError(f"task=grpo does not run on pipeline stages (parallel.pp={p.pp}); use parallel.pp=1")
+    for key in ("overlong_buffer", "max_resample"):
+        if rl[key] < 0:
+            raise UserError(f"rl.{key}={rl[key]} must be >= 0")
+    if p.pp > 1 or p.cp > 1:
+        raise UserError(f"task=grpo does not run on pipeline stages or context-parallel ranks (parallel.pp={p.pp}, "
+                        f"parallel.cp={p.cp}); use parallel.pp=1 and parallel.cp=1 (tp, ep and dp split it)")
     if rl.prompts_per_step % p.dp:
         raise UserError(f"rl.prompts_per_step={rl.prompts_per_step} must be divisible by parallel.dp={p.dp} (each "
                         f"data-parallel rank samples its share); use a multiple of {p.dp}")

@@ -11,7 +11,7 @@ from typing import Dict, List
 import numpy as np
 
 from speedllm.data.preprocess import expand_inputs, read_records
-from speedllm.errors import UserError
+from speedllm.errors import UserError, one_line
 
 
 @dataclass
@@ -54,7 +54,12 @@ def load_prompts(inputs, tokenizer, max_prompt_tokens: int, max_new_tokens: int)
                                 "[{role, content}] messages) and the fields the reward functions read")
             prompt = record["prompt"]
             if _messages(prompt, where):
-                text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+                try:
+                    text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+                except Exception as e:  # noqa: BLE001 - no chat template, or one that fails on these messages
+                    raise UserError(f"{where}: chat messages need the tokenizer's chat template, which failed "
+                                    f"({one_line(e)}); give text prompts, or a data.tokenizer with a chat "
+                                    "template") from None
             else:
                 text = prompt
             tokens = tokenizer.encode(text, add_special_tokens=False)

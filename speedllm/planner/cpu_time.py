@@ -17,6 +17,7 @@ built (the FLOP model stands), and a micro-batch of more than MAX_FLOP training 
 """
 
 import functools
+import math
 import statistics
 import time
 from typing import Optional, Tuple
@@ -58,8 +59,14 @@ def layer_and_rest_seconds(key: tuple, batch: int, seq_len: int, dtype: str, ops
         rest = _seconds(OmegaConf.merge(one, {"num_hidden_layers": 0}), rows, seq, dtype, ops)
         return [max(0.0, _seconds(one, rows, seq, dtype, ops) - rest), rest]
 
-    layer, rest = measured_once("plan", measure, detail=f"{key}|{rows}|{seq}|{dtype}|{ops}")
+    layer, rest = measured_once("plan", measure, detail=f"{key}|{rows}|{seq}|{dtype}|{ops}", valid=_two_times)
     return layer * scale, rest * scale
+
+
+def _two_times(value) -> bool:
+    """A cached (layer, rest): two finite seconds, the rest's above zero."""
+    return isinstance(value, list) and len(value) == 2 and all(
+        isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in value) and value[1] > 0
 
 
 def _seconds(cfg, rows: int, seq: int, dtype: str, ops: str) -> float:

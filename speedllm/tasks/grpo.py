@@ -18,10 +18,12 @@ Letters: N rows (this rank's completions), C completion columns, F reward functi
 """
 
 import contextlib
+import copy
 import functools
 import math
 import numbers
 import time
+from collections.abc import Iterator, Sized
 from typing import List
 
 import numpy as np
@@ -43,7 +45,7 @@ from speedllm.parallel import clip_grad_norm
 from speedllm.parallel.offload import optimizer_step
 from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.build import build_training, frozen_reference, training_loop
-from speedllm.train.faults import Preemption
+from speedllm.train.faults import BadSteps, Preemption
 from speedllm.train.policy_loss import group_advantages, policy_loss
 from speedllm.train.rewards import length_penalty
 from speedllm.train.state import extra_state
@@ -65,24 +67,33 @@ def build_rewards(rl) -> list:
 
 
 def score(rewards: list, prompts: list, completions: list, columns: dict, prompt_of_row: List[int]) -> torch.Tensor:
-    """rewards_NF: each function's rewards for every row; a function that raises, returns the wrong number of
-    values, or a None / NaN is one line naming it and the prompt (its index in data.input)."""
+    """rewards_NF: each function's rewards for every row; a function that raises (or exits), returns the wrong
+    number of values, or a None / NaN is one line naming it and the prompt (its index in data.input). Each function
+    gets its own copy of the lists (one that empties them changes nothing after it); an iterator it returns is
+    read to its end."""
     out = []
     for name, fn, _ in rewards:
+        given = copy.deepcopy((prompts, completions, columns))
         try:
-            values = fn(prompts, completions, **columns)
+            values = fn(given[0], given[1], **given[2])
+            if isinstance(values, Iterator):  # a generator: its values
+                values = list(values)
         except Exception as e:  # a user's function: any failure is theirs to fix
             raise UserError(f"rl.rewards: {name} raised {type(e).__name__}: {e} (on the completions of prompt "
                             f"{_failing_prompt(fn, prompts, completions, columns, prompt_of_row)}) — fix the "
                             "function") from None
-        if values is None or len(values) != len(completions):
-            raise UserError(f"rl.rewards: {name} returned {'None' if values is None else len(values)} values for "
-                            f"{len(completions)} completions — return one float per completion")
+        except SystemExit as e:  # sys.exit() in a reward would end the run as if it had finished
+            raise UserError(f"rl.rewards: {name} called sys.exit({e.code!r}) — a reward function returns one float "
+                            "per completion and never exits") from None
+        if not isinstance(values, Sized) or len(values) != len(completions):
+            got = "None" if values is None else len(values) if isinstance(values, Sized) else type(values).__name__
+            raise UserError(f"rl.rewards: {name} returned {got} values for {len(completions)} completions — return "
+                            "one float per completion")
         for row, value in enumerate(values):
             if not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise UserError(f"rl.rewards: {name} returned {value!r} for a completion of prompt "
                                 f"{prompt_of_row[row]} (row {row}) — return a finite float for every completion")
-        out.append(torch.tensor(values, dtype=torch.float32))
+        out.append(torch.tensor(list(values), dtype=torch.float32))
     return torch.stack(out, dim=1)
 
 
@@ -92,8 +103,8 @@ def _failing_prompt(fn, prompts, completions, columns, prompt_of_row) -> str:
     for prompt in dict.fromkeys(prompt_of_row):
         rows = [i for i, p in enumerate(prompt_of_row) if p == prompt]
         try:
-            fn([prompts[i] for i in rows], [completions[i] for i in rows],
-               **{k: [v[i] for i in rows] for k, v in columns.items()})
+            fn(*copy.deepcopy(([prompts[i] for i in rows], [completions[i] for i in rows])),
+               **copy.deepcopy({k: [v[i] for i in rows] for k, v in columns.items()}))
         except Exception:  # the failure being located
             return str(prompt)
     return str(sorted(set(prompt_of_row)))
@@ -198,7 +209,8 @@ def refill(sampler: Sampler, model, ro: Rollout, advantages_N, rewards_N, weight
 
 
 def rl_update(pm, ro: Rollout, advantages_N, ref_NC, optimizer, cfg, dp_group, world, autocast, replay: bool) -> dict:
-    """rl.ppo_epochs x rl.mini_batches optimizer steps on this rank's rows; returns the step's metrics."""
+    """rl.ppo_epochs x rl.mini_batches optimizer steps on this rank's rows (each skipped where its loss or gradient
+    is not finite); returns the step's metrics and "finite": whether every update was."""
     rl, model = cfg.rl, pm.module
     N = ro.tokens.shape[0]
     temperature = float(policy_temperature(Sampling(temperature=float(rl.temperature))))
@@ -228,14 +240,15 @@ def rl_update(pm, ro: Rollout, advantages_N, ref_NC, optimizer, cfg, dp_group, w
             optimizer.zero_grad(set_to_none=True)
             grad_norms.append(grad_norm.item())
             totals += torch.cat([loss.detach().reshape(1), stats.detach(), entropy.sum().detach().reshape(1)]).cpu()
-    all_reduce(totals, dp_group)
+    all_reduce(totals, dp_group)  # the same on every rank, so all of them count a bad step alike
     all_reduce(diff, world, dist.ReduceOp.MAX)
     all_reduce(changed, dp_group)
     updates = rl.ppo_epochs * rl.mini_batches
     tokens = float(totals[3])
     out = {"loss": float(totals[0]) / updates, "grad_norm": sum(grad_norms) / len(grad_norms),
            "rl/kl": float(totals[1]) / tokens, "rl/clip_frac": float(totals[2]) / tokens,
-           "rl/entropy": float(totals[4]) / tokens, "rl/logprob_diff": float(diff)}
+           "rl/entropy": float(totals[4]) / tokens, "rl/logprob_diff": float(diff),
+           "finite": math.isfinite(float(totals[0])) and all(math.isfinite(g) for g in grad_norms)}
     if ro.routes is not None:
         out["rl/changed_routes"] = 0 if replay else int(changed)
         out["rl/replayed_routes"] = int(changed) if replay else 0
@@ -272,6 +285,7 @@ def run(cfg, rt: Runtime) -> None:
     world = dist.group.WORLD if rt.world_size > 1 else None
     logger, checkpointer, stop_at = training_loop(cfg, rt, step)
     last_saved = None
+    bad = BadSteps(t.max_bad_steps)
 
     def checkpoint() -> None:
         checkpointer.save(step, model, optimizer, extra_state(step, scheduler, order, rt.device), cfg)
@@ -301,6 +315,7 @@ def run(cfg, rt: Runtime) -> None:
                 update_s = time.perf_counter() - start
                 scheduler.step()
                 step += 1
+                bad.record(metrics.pop("finite"), step)
                 logger.advance(step)
                 tokens = float(lengths.sum())
                 metrics |= {"rl/reward": float(total_N.mean()),
@@ -310,13 +325,13 @@ def run(cfg, rt: Runtime) -> None:
                             "rl/clipped_share": float((lengths >= rl.max_new_tokens).float().mean()),
                             "rl/zero_adv_groups": zero_groups, "rl/rollout_tokens_per_s": tokens / rollout_s,
                             "rl/update_tokens_per_s": tokens * rl.ppo_epochs / update_s,
-                            "rl/step_s": time.perf_counter() - began, "lr": lr}
+                            "rl/step_s": time.perf_counter() - began, "lr": lr, "skipped_steps": bad.total}
                 logger.log(step, metrics)
                 if step % t.log_every == 0 or step == stop_at:
                     for row in range(0, min(rl.num_samples * rl.group_size, len(texts)), rl.group_size):
                         logger.message(f"  sample (prompt {prompt_of_row[row]}, reward {float(total_N[row]):.3g}): "
                                        f"{texts[row]!r}")
-                if ck.every > 0 and step % ck.every == 0:
+                if ck.every > 0 and step % ck.every == 0 and bad.in_a_row == 0:  # never save a suspect state
                     checkpoint()
                     last_saved = step
                 if preemption.any_rank(rt.device):

@@ -10,7 +10,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from speedllm.errors import UserError
+from speedllm.errors import UserError, reading
 
 KEY = "distill.teacher"
 
@@ -59,14 +59,15 @@ def teacher_source(path: str) -> TeacherSource:
     return TeacherSource(model, str(saved.data.tokenizer), False, str(step_dir))
 
 
-def _vocabulary(tokenizer_dir: str) -> Optional[dict]:
+def _vocabulary(tokenizer_dir: str, key: str) -> Optional[dict]:
     """token -> id of a tokenizer directory's tokenizer.json (added tokens included), None without one."""
     file = Path(tokenizer_dir) / "tokenizer.json"
     if not file.is_file():
         return None
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(file)).get_vocab(with_added_tokens=True)
+    with reading(f"{key}: {file}", "restore the tokenizer's files, or point the key at a complete model"):
+        return Tokenizer.from_file(str(file)).get_vocab(with_added_tokens=True)
 
 
 def check_teacher(cfg: DictConfig) -> TeacherSource:
@@ -80,8 +81,8 @@ def check_teacher(cfg: DictConfig) -> TeacherSource:
                         f"(model={student.name}) has vocab_size={student.vocab_size}; distill between models of one "
                         "vocabulary (the same tokenizer)")
     if source.tokenizer is not None:
-        ours = _vocabulary(str(cfg.data.tokenizer))
-        theirs = _vocabulary(source.tokenizer)
+        ours = _vocabulary(str(cfg.data.tokenizer), "data.tokenizer")
+        theirs = _vocabulary(source.tokenizer, KEY)
         if ours is not None and theirs is not None and ours != theirs:
             raise UserError(f"{KEY}={cfg.distill.teacher}: its tokenizer ({source.tokenizer}) differs from the "
                             f"student's data.tokenizer={cfg.data.tokenizer}; distill between models of one tokenizer")
