@@ -3,7 +3,8 @@
     hardware=auto        -> the profile of the devices this machine has (the hardware.* values typed kept)
     hardware.dtype=auto  -> on a CPU, what its GEMM probe shows faster; the CPU's peaks measured (speedllm.hardware)
     model=hf             -> the fields of checkpoint.load_hf's config.json, as values
-    checkpoint.load      -> the model and tokenizer the checkpoint was trained with (inference tasks)
+    checkpoint.load      -> the model and tokenizer the checkpoint was trained with (inference tasks; training
+                            tasks too, resuming it or starting from another task's weights)
     launcher.nnodes > 1  -> the node rank and rendezvous host from SLURM
     parallel=auto        -> the planner's fastest layout that fits; parallel.dp=-1 and the rank counts from the world
 """
@@ -29,7 +30,7 @@ def resolve(cfg: DictConfig) -> tuple[int, int]:
     fetch_hf_dir(cfg)
     resolve_model(cfg)
     validate_values(cfg)  # values first: a typo is named before a missing checkpoint, and the layout is derived
-    if cfg.task.inference:  # from sane launcher counts and planner sizes
+    if cfg.task.inference or names_checkpoint(cfg):  # from sane launcher counts and planner sizes
         adopt_checkpoint_config(cfg)
     if not cfg.task.in_process:  # a job that is not launched needs no rendezvous
         resolve_nodes(cfg)
@@ -152,6 +153,14 @@ def choose_layout(cfg: DictConfig) -> None:
               f"~{best.tokens_per_s:,.0f} tokens/s (task=plan shows the alternatives)")
     else:
         print(f"parallel=auto: {lay.short()} on {world} device(s): {best.memory.total / GIB:.1f} GiB per device")
+
+
+def names_checkpoint(cfg: DictConfig) -> bool:
+    """A launched job's checkpoint.load names a checkpoint that is there (a training run resuming it, or starting
+    from another task's weights, takes its model and tokenizer too)."""
+    ck = cfg.checkpoint
+    return not cfg.task.in_process and ck.load_hf is None and ck.load is not None and \
+        resolve_load(ck.load, ck.dir) is not None
 
 
 def adopt_checkpoint_config(cfg: DictConfig) -> bool:
