@@ -100,9 +100,9 @@ def test_grpo_from_an_sft_run_samples_and_scores_with_its_weights(runs, launch_h
 
 
 def test_distill_and_dpo_from_our_checkpoints(runs, launch_here, tmp_path):
-    """Distillation of the pretraining checkpoint into a student started from that same checkpoint: the first
-    step's divergence is 0 (student = teacher). DPO from the SFT run: its reference is the policy's starting
-    weights (first loss log 2)."""
+    """Distillation of the SFT checkpoint into a student started from that same checkpoint: the first step's
+    divergence is 0 (student = teacher). DPO from the SFT run: its reference is the policy's starting weights
+    (first loss log 2), and its first gradient norm is that of task=generate's model of the SFT checkpoint."""
     launch_here(tmp_path / "distill", *TINY, "task=distill", "train.steps=1",
                 f"checkpoint.load={runs}/sft/checkpoints", f"distill.teacher={runs}/sft/checkpoints")
     assert said_once(tmp_path / "distill", "distill", "sft")
@@ -115,6 +115,19 @@ def test_distill_and_dpo_from_our_checkpoints(runs, launch_here, tmp_path):
     assert said_once(tmp_path / "dpo", "dpo", "sft")
     (first,) = metrics(tmp_path / "dpo")
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-6) and first["reward_margin"] == 0.0
+
+    # DPO's gradient where policy = reference: -beta / 2 * (grad log p(chosen) - grad log p(rejected)) per pair
+    model, _ = generate_model(runs / "sft" / "checkpoints" / "step_00000002", tmp_path / "gen")
+    frozen = OmegaConf.load(tmp_path / "dpo" / "config.yaml")
+    t = frozen.train
+    loader = build_loader(frozen, "train", 0, 1, t.micro_batch_size, t.seq_len, frozen.seed)
+    rows = [(tokens, labels) for b in (next(loader) for _ in range(t.global_batch_size // t.micro_batch_size))
+            for tokens, labels in zip(b["tokens"].flatten(0, 1), b["labels"].flatten(0, 1))]
+    logp = torch.stack([-model(tokens[None], labels=labels[None])[0] for tokens, labels in rows]).view(-1, 2)
+    margin = frozen.dpo.beta * ((logp[:, 0] - logp[:, 0].detach()) - (logp[:, 1] - logp[:, 1].detach()))
+    (-torch.nn.functional.logsigmoid(margin).mean()).backward()
+    grads = {id(p): p.grad for p in model.parameters() if p.grad is not None}.values()
+    assert first["grad_norm"] == pytest.approx(float(torch.sqrt(sum(g.pow(2).sum() for g in grads))), rel=1e-4)
 
 
 def test_grpo_from_random_weights_says_it_learns_nothing(tmp_path, launch_here):
