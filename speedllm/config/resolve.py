@@ -159,8 +159,12 @@ def names_checkpoint(cfg: DictConfig) -> bool:
     """A launched job's checkpoint.load names a checkpoint that is there (a training run resuming it, or starting
     from another task's weights, takes its model and tokenizer too)."""
     ck = cfg.checkpoint
-    return not cfg.task.in_process and ck.load_hf is None and ck.load is not None and \
-        resolve_load(ck.load, ck.dir) is not None
+    if cfg.task.in_process or ck.load_hf is not None or ck.load is None:
+        return False
+    try:
+        return resolve_load(ck.load, ck.dir) is not None
+    except UserError:  # no checkpoint there: validation names the key and the fix
+        return False
 
 
 def adopt_checkpoint_config(cfg: DictConfig) -> bool:
