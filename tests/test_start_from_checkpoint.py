@@ -98,6 +98,13 @@ def test_grpo_from_an_sft_run_samples_and_scores_with_its_weights(runs, launch_h
     assert first["rl/entropy"] == pytest.approx(sum(entropies) / len(entropies), abs=1e-5)
     assert first["rl/response_len"] == pytest.approx(sum(map(len, dump["completion_ids"])) / 4)
 
+    # its resume is the same command plus checkpoint.load=<this run>: the model again from the lineage's start
+    launch_here(runs / "grpo_resumed", "task=grpo", "hardware=cpu", f"checkpoint.load={runs}/grpo/checkpoints",
+                "train.steps=2", "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=4", "rl.kl_coef=0.1",
+                f"rl.rewards=[{{_target_: test_start_from_checkpoint.record, out: '{scored}'}}]")
+    assert "resumed from" in (runs / "grpo_resumed" / "launch.log").read_text()
+    assert [r["step"] for r in metrics(runs / "grpo_resumed")] == [2]
+
 
 def test_distill_and_dpo_from_our_checkpoints(runs, launch_here, tmp_path):
     """Distillation of the SFT checkpoint into a student started from that same checkpoint: the first step's

@@ -421,6 +421,23 @@ def saved_task(step_dir) -> Optional[str]:
     return OmegaConf.select(read_saved_config(step_dir), "task.name")
 
 
+def started_from(step_dir, task: str):
+    """The checkpoint of another task whose weights the run of `step_dir` (a checkpoint of `task`) started from:
+    `step_dir` itself if another task saved it, else the one its resumes lead back to (each checkpoint's config
+    names the checkpoint it loaded); None for a run that started from seeded or HF weights."""
+    path, seen = step_dir, set()
+    while path is not None and str(path) not in seen:
+        seen.add(str(path))
+        saved = saved_task(path)
+        if saved is None:
+            return None
+        if saved != task:
+            return path
+        load = OmegaConf.select(read_saved_config(path), "checkpoint.load")
+        path = None if load in (None, "auto") else resolve_load(load, "")
+    return None
+
+
 def resolve_load(load: Optional[str], root: str):
     """Turn `checkpoint.load` into a checkpoint directory.
 

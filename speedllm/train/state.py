@@ -6,15 +6,14 @@ import random
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
 from speedllm.checkpoint.dcp import (
     DAMAGED_FIX,
     load_checkpoint,
     load_weights,
-    read_saved_config,
     resolve_load,
     saved_task,
+    started_from,
 )
 from speedllm.checkpoint.hf import load_hf_weights
 from speedllm.errors import reading
@@ -60,20 +59,9 @@ def extra_state(step: int, scheduler, loader, device: torch.device) -> dict:
 
 
 def first_weights(cfg):
-    """The checkpoint of another task whose weights this run started from: checkpoint.load itself, or the one a
-    checkpoint of this task it resumes started from (each names the checkpoint it loaded); None for a run that
-    started from seeded or HF weights."""
-    path, seen = resolve_load(load_request(cfg), cfg.checkpoint.dir), set()
-    while path is not None and str(path) not in seen:
-        seen.add(str(path))
-        task = saved_task(path)
-        if task is None:
-            return None
-        if task != cfg.task.name:
-            return path
-        load = OmegaConf.select(read_saved_config(path), "checkpoint.load")
-        path = None if load in (None, "auto") else resolve_load(load, "")
-    return None
+    """The checkpoint of another task whose weights this run started from (checkpoint.dcp.started_from), or None."""
+    path = resolve_load(load_request(cfg), cfg.checkpoint.dir)
+    return None if path is None else started_from(path, cfg.task.name)
 
 
 def restore(cfg, rt: Runtime, pm: ParallelModel, optimizer, scheduler, loader) -> tuple:
