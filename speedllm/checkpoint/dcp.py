@@ -42,7 +42,13 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from speedllm import storage
 from speedllm.errors import UserError, one_line, reading
@@ -215,11 +221,15 @@ def _trained_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
     source (speedllm.checkpoint.adapters), so an adapter checkpoint is small. (StateDictOptions.ignore_frozen_params
     keeps the second name of a tied weight, so the names are filtered here.)
     """
-    frozen = {n.replace("_checkpoint_wrapped_module.", "") for n, p in model.named_parameters(remove_duplicate=False)
-              if not p.requires_grad}
+    frozen = _frozen_names(model)
     options = StateDictOptions(strict=not frozen, flatten_optimizer_state_dict=True)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd, options
+
+
+def _frozen_names(model: nn.Module) -> set:
+    return {n.replace("_checkpoint_wrapped_module.", "") for n, p in model.named_parameters(remove_duplicate=False)
+            if not p.requires_grad}
 
 
 def _start(root, step: int, group=None) -> tuple:
@@ -410,6 +420,30 @@ def read_saved_config(step_dir) -> DictConfig:
     return saved
 
 
+def saved_task(step_dir) -> Optional[str]:
+    """The task (task.name) of the run that saved checkpoint `step_dir`; None when it holds no config.yaml."""
+    if not storage.is_file(storage.join(step_dir, "config.yaml")):
+        return None
+    return OmegaConf.select(read_saved_config(step_dir), "task.name")
+
+
+def started_from(step_dir, task: str):
+    """The checkpoint of another task whose weights the run of `step_dir` (a checkpoint of `task`) started from:
+    `step_dir` itself if another task saved it, else the one its resumes lead back to (each checkpoint's config
+    names the checkpoint it loaded); None for a run that started from seeded or HF weights."""
+    path, seen = step_dir, set()
+    while path is not None and str(path) not in seen:
+        seen.add(str(path))
+        saved = saved_task(path)
+        if saved is None:
+            return None
+        if saved != task:
+            return path
+        load = OmegaConf.select(read_saved_config(path), "checkpoint.load")
+        path = None if load in (None, "auto") else resolve_load(load, "")
+    return None
+
+
 def resolve_load(load: Optional[str], root: str):
     """Turn `checkpoint.load` into a checkpoint directory.
 
@@ -448,3 +482,13 @@ def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer) ->
         except pickle.UnpicklingError:  # torch's message is a page of advice on allow-listing globals
             raise ValueError("it holds a pickled object, not plain data; torch.load(weights_only=True) refused to "
                              "run it") from None
+
+
+def load_weights(path, model: nn.Module) -> None:
+    """Only the trained weights of checkpoint `path` into `model`, in place (any layout): a run starting from
+    another task's checkpoint leaves its optimizer state, step, data position and RNG behind."""
+    frozen = _frozen_names(model)
+    options = StateDictOptions(strict=not frozen)
+    state = {k: v for k, v in get_model_state_dict(model, options=options).items() if k not in frozen}
+    dcp_load({"model": state}, path)
+    set_model_state_dict(model, state, options=options)

@@ -5,7 +5,8 @@
     hardware=auto        -> the profile of the devices this machine has (the hardware.* values typed kept)
     hardware.dtype=auto  -> on a CPU, what its GEMM probe shows faster; the CPU's peaks measured (speedllm.hardware)
     model=hf             -> the fields of checkpoint.load_hf's config.json, as values
-    checkpoint.load      -> the model and tokenizer the checkpoint was trained with (inference tasks)
+    checkpoint.load      -> the model and tokenizer the checkpoint was trained with (inference tasks; a training
+                            run too when that checkpoint's run started from another task's weights)
     launcher.nnodes > 1  -> the node rank and rendezvous host from SLURM
     parallel=auto        -> the planner's fastest layout that fits; parallel.dp=-1 and the rank counts from the world
 """
@@ -17,7 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from speedllm import storage
-from speedllm.checkpoint.dcp import read_saved_config, resolve_load
+from speedllm.checkpoint.dcp import read_saved_config, resolve_load, started_from
 from speedllm.config.locations import mend_locations
 from speedllm.config.validate import validate_values
 from speedllm.errors import UserError
@@ -33,7 +34,7 @@ def resolve(cfg: DictConfig) -> tuple[int, int]:
     fetch_inputs(cfg)
     resolve_model(cfg)
     validate_values(cfg)  # values first: a typo is named before a missing checkpoint, and the layout is derived
-    if cfg.task.inference:  # from sane launcher counts and planner sizes
+    if cfg.task.inference or from_another_task(cfg):  # from sane launcher counts and planner sizes
         adopt_checkpoint_config(cfg)
     if not cfg.task.in_process:  # a job that is not launched needs no rendezvous
         resolve_nodes(cfg)
@@ -166,6 +167,19 @@ def choose_layout(cfg: DictConfig) -> None:
               f"~{best.tokens_per_s:,.0f} tokens/s (task=plan shows the alternatives)")
     else:
         print(f"parallel=auto: {lay.short()} on {world} device(s): {best.memory.total / GIB:.1f} GiB per device")
+
+
+def from_another_task(cfg: DictConfig) -> bool:
+    """A launched job's checkpoint.load names a checkpoint whose run started from another task's weights (that
+    checkpoint itself, or one it resumes): it takes that run's model and tokenizer, as an inference task does."""
+    ck = cfg.checkpoint
+    if cfg.task.in_process or ck.load_hf is not None or ck.load is None:
+        return False
+    try:
+        path = resolve_load(ck.load, ck.dir)
+    except UserError:  # no checkpoint there: validation names the key and the fix
+        return False
+    return path is not None and started_from(path, cfg.task.name) is not None
 
 
 def adopt_checkpoint_config(cfg: DictConfig) -> bool:

@@ -314,6 +314,11 @@ class RLConfig:
     overlong_buffer: int = 0  # DAPO's overlong penalty over the last this-many tokens before max_new_tokens; 0: off
     overlong_penalty: float = 1.0  # the penalty at max_new_tokens (linear from 0 over the buffer)
     router_replay: Optional[bool] = None  # MoE: train with the rollout's experts; None: on for MoE models
+    # the PPO ratio's old policy: rollout (the sampler's log-probs) | recompute (a training forward before the update)
+    old_logprobs: str = "rollout"
+    # none | tis | mis: verl's rollout correction of the rollout -> training mismatch (needs old_logprobs=recompute)
+    rollout_correction: str = "none"
+    rollout_correction_threshold: float = 2.0  # C: tis truncates the ratio at C; mis drops tokens outside [1/C, C]
     rewards: List[Any] = field(default_factory=list)  # [{_target_: module.fn, weight: 1.0}, ...], TRL's signature
     num_samples: int = 2  # completions printed (with their rewards) every train.log_every
 

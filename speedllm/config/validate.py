@@ -63,6 +63,8 @@ CHOICES = {
     "evaluate.split": ("train", "valid", "test"),
     "rl.loss_agg": ("seq_mean", "token_mean", "constant"),
     "rl.importance": ("token", "sequence"),
+    "rl.old_logprobs": ("rollout", "recompute"),
+    "rl.rollout_correction": ("none", "tis", "mis"),
     "distill.loss": LOSSES,
     "distill.teacher_parallel": ("same", "replicate"),
     "distill.teacher_quant": ("none", "int8_wo"),
@@ -137,6 +139,7 @@ VALUE_RULES = {
     "rl.clip_low": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "rl.clip_high": _at_least(0),
     "rl.overlong_penalty": _at_least(0),
+    "rl.rollout_correction_threshold": _above(1),
 }
 
 
@@ -655,6 +658,9 @@ def check_rl(cfg: DictConfig) -> None:
     if cfg.model.num_experts and rl.router_replay is not False and p.tp > 1:
         raise UserError(f"rl.router_replay under parallel.tp={p.tp}: the MoE blocks route sequence shards; set "
                         "rl.router_replay=false or use expert parallelism (parallel.ep) instead of tp")
+    if rl.rollout_correction != "none" and rl.old_logprobs != "recompute":
+        raise UserError(f"rl.rollout_correction={rl.rollout_correction} weighs the training forward's old "
+                        "log-probabilities against the rollout's; add rl.old_logprobs=recompute")
     if rl.overlong_buffer > rl.max_new_tokens:
         raise UserError(f"rl.overlong_buffer={rl.overlong_buffer} exceeds rl.max_new_tokens={rl.max_new_tokens}; "
                         "use a smaller buffer")

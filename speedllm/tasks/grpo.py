@@ -9,7 +9,8 @@ Each step, read top to bottom:
    (speedllm.train.policy_loss); DAPO's dynamic sampling replaces groups whose rewards are all equal;
 4. the reference model's log-probabilities (rl.kl_coef > 0: a frozen copy, or the policy with its adapters off);
 5. rl.ppo_epochs x rl.mini_batches clipped policy-gradient updates, the rollout's log-probabilities as the old
-   policy; for MoE the rollout's experts are replayed (rl.router_replay). The LR schedule steps once per step.
+   policy (rl.old_logprobs=recompute: a training forward's, with rl.rollout_correction's TIS / MIS weights); for
+   MoE the rollout's experts are replayed (rl.router_replay). The LR schedule steps once per step.
 
 Prompt draws and sampling are seeded by (seed, draw number): a resume samples what the straight run samples, and
 a data-parallel split samples what one process does. Runs without pipeline stages (parallel.pp=1).
@@ -46,7 +47,7 @@ from speedllm.parallel.offload import optimizer_step
 from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.build import build_training, frozen_reference, training_loop
 from speedllm.train.faults import BadSteps, Preemption
-from speedllm.train.policy_loss import group_advantages, policy_loss
+from speedllm.train.policy_loss import group_advantages, policy_loss, rollout_correction
 from speedllm.train.rewards import length_penalty
 from speedllm.train.state import extra_state
 
@@ -208,6 +209,20 @@ def refill(sampler: Sampler, model, ro: Rollout, advantages_N, rewards_N, weight
     return concat(parts, sampler.pad_id), torch.cat(advs)
 
 
+def _differences(train_NC, rollout_NC, mask_NC) -> torch.Tensor:
+    """[max, sum, count] of |training forward − rollout| over the completion tokens."""
+    diff_NC = (train_NC - rollout_NC).abs() * mask_NC
+    return torch.stack([diff_NC.max(), diff_NC.sum(), mask_NC.sum()]).cpu()
+
+
+def recomputed_logprobs(model, ro: Rollout, temperature: float, autocast, replay: bool) -> torch.Tensor:
+    """rl.old_logprobs=recompute: the training forward's log-probabilities of the rollout's completions before the
+    update (the MoE routes replayed as in the update)."""
+    routes = replay_routes(model, ro.routes, impose=replay) if ro.routes is not None else contextlib.nullcontext()
+    with torch.no_grad(), routes, autocast:
+        return completion_logprobs(model, ro, temperature)[0]
+
+
 def rl_update(pm, ro: Rollout, advantages_N, ref_NC, optimizer, cfg, dp_group, world, autocast, replay: bool) -> dict:
     """rl.ppo_epochs x rl.mini_batches optimizer steps on this rank's rows (each skipped where its loss or gradient
     is not finite); returns the step's metrics and "finite": whether every update was."""
@@ -216,38 +231,51 @@ def rl_update(pm, ro: Rollout, advantages_N, ref_NC, optimizer, cfg, dp_group, w
     temperature = float(policy_temperature(Sampling(temperature=float(rl.temperature))))
     totals = torch.zeros(5)  # loss, KL sum, clipped tokens, tokens, entropy sum
     changed, grad_norms = torch.zeros((), dtype=torch.long), []
-    diff = torch.zeros(())
+    old_NC = ro.logprobs
+    if rl.old_logprobs == "recompute":
+        old_NC = recomputed_logprobs(model, ro, temperature, autocast, replay)
+    weights_NC, mask_NC, corrected = rollout_correction(old_NC, ro.logprobs, ro.completion_mask,
+                                                        rl.rollout_correction, rl.rollout_correction_threshold)
+    diff = torch.zeros(3)  # max |training forward - rollout|, its sum, completion tokens
+    if rl.old_logprobs == "recompute":
+        diff = _differences(old_NC, ro.logprobs, ro.completion_mask)
     for epoch in range(rl.ppo_epochs):
         for m in range(rl.mini_batches):
             # every mini_batches-th row: the mini-batch is the same set of rows whatever the data-parallel split
             rows = torch.arange(m, N, rl.mini_batches)
             part = ro.select(rows)
-            counts = all_reduce(torch.tensor([float(len(rows)), float(part.completion_mask.sum())]), dp_group)
+            counts = all_reduce(torch.tensor([float(len(rows)), float(mask_NC[rows].sum())]), dp_group)
             routes = replay_routes(model, part.routes, impose=replay) if part.routes is not None \
                 else contextlib.nullcontext([])
             with routes as tapes:
                 with autocast:
                     logprobs, entropy = completion_logprobs(model, part, temperature)
-                loss, stats = policy_loss(logprobs, part.logprobs, None if ref_NC is None else ref_NC[rows],
-                                          advantages_N[rows], part.completion_mask, rl, counts[0], counts[1])
+                loss, stats = policy_loss(logprobs, old_NC[rows], None if ref_NC is None else ref_NC[rows],
+                                          advantages_N[rows], mask_NC[rows], rl, counts[0], counts[1],
+                                          weights_NC[rows])
                 loss.backward()
-            if epoch == 0 and m == 0:  # before any update: the training forward of the rollout's own policy
-                diff = ((logprobs.detach() - part.logprobs).abs() * part.completion_mask).max()
+            if epoch == 0 and m == 0 and rl.old_logprobs == "rollout":  # before any update: the rollout's policy
+                diff = _differences(logprobs.detach(), part.logprobs, part.completion_mask)
             changed = sum((t.changed.cpu() for t in tapes), changed)
             grad_norm = clip_grad_norm(pm, cfg.train.grad_clip)
             if math.isfinite(loss.item()) and bool(torch.isfinite(grad_norm)):
                 optimizer_step(optimizer, cfg.parallel.offload)
             optimizer.zero_grad(set_to_none=True)
             grad_norms.append(grad_norm.item())
-            totals += torch.cat([loss.detach().reshape(1), stats.detach(), entropy.sum().detach().reshape(1)]).cpu()
+            entropy_sum = (entropy * mask_NC[rows]).sum().detach().reshape(1)
+            totals += torch.cat([loss.detach().reshape(1), stats.detach(), entropy_sum]).cpu()
     all_reduce(totals, dp_group)  # the same on every rank, so all of them count a bad step alike
-    all_reduce(diff, world, dist.ReduceOp.MAX)
+    diff_max = all_reduce(diff[:1].clone(), world, dist.ReduceOp.MAX)
+    diff_sum = all_reduce(torch.cat([diff[1:], corrected.reshape(1).cpu(), ro.completion_mask.sum().reshape(1).cpu()]),
+                          dp_group)
     all_reduce(changed, dp_group)
     updates = rl.ppo_epochs * rl.mini_batches
     tokens = float(totals[3])
     out = {"loss": float(totals[0]) / updates, "grad_norm": sum(grad_norms) / len(grad_norms),
            "rl/kl": float(totals[1]) / tokens, "rl/clip_frac": float(totals[2]) / tokens,
-           "rl/entropy": float(totals[4]) / tokens, "rl/logprob_diff": float(diff),
+           "rl/entropy": float(totals[4]) / tokens, "rl/logprob_diff": float(diff_max),
+           "rl/logprob_diff_mean": float(diff_sum[0] / diff_sum[1]),
+           "rl/rollout_is_clip_frac": float(diff_sum[2] / diff_sum[3]),
            "finite": math.isfinite(float(totals[0])) and all(math.isfinite(g) for g in grad_norms)}
     if ro.routes is not None:
         out["rl/changed_routes"] = 0 if replay else int(changed)
@@ -264,6 +292,17 @@ def reference_logprobs(pm, reference, ro: Rollout, cfg, autocast):
     with torch.no_grad(), autocast, adapters_disabled() if reference is None else contextlib.nullcontext():
         logprobs, _ = completion_logprobs(model, ro, temperature)
     return logprobs
+
+
+SILENT_STEPS = 3  # a run whose first this-many steps carry no advantage at all says so (once)
+
+
+def silent_start_notice(steps: int) -> str:
+    """The one line of a run whose first `steps` steps had no group with unequal rewards."""
+    return (f"rl: every group's rewards were equal in the first {steps} step(s) (rl/zero_adv_groups=1), so every "
+            "advantage is 0 and loss, grad_norm and KL stay 0: nothing is learned. Start from a model that solves "
+            "some prompts (docs/tasks/grpo.md#demo: task=sft ..., then task=grpo checkpoint.load=<that run>/"
+            "checkpoints ...) or give rl.rewards that tell completions apart")
 
 
 def run(cfg, rt: Runtime) -> None:
@@ -286,6 +325,7 @@ def run(cfg, rt: Runtime) -> None:
     logger, checkpointer, stop_at = training_loop(cfg, rt, step)
     last_saved = None
     bad = BadSteps(t.max_bad_steps)
+    silent, first_step = 0, step  # steps in a row without any advantage, from this process's first
 
     def checkpoint() -> None:
         checkpointer.save(step, model, optimizer, extra_state(step, scheduler, order, rt.device), cfg)
@@ -316,6 +356,7 @@ def run(cfg, rt: Runtime) -> None:
                 scheduler.step()
                 step += 1
                 bad.record(metrics.pop("finite"), step)
+                silent += not all_reduce(torch.tensor(float(bool(advantages.any()))), dp_group, dist.ReduceOp.MAX)
                 logger.advance(step)
                 tokens = float(lengths.sum())
                 metrics |= {"rl/reward": float(total_N.mean()),
@@ -327,6 +368,8 @@ def run(cfg, rt: Runtime) -> None:
                             "rl/update_tokens_per_s": tokens * rl.ppo_epochs / update_s,
                             "rl/step_s": time.perf_counter() - began, "lr": lr, "skipped_steps": bad.total}
                 logger.log(step, metrics)
+                if silent == step - first_step == min(SILENT_STEPS, stop_at - first_step):
+                    logger.message(silent_start_notice(silent))
                 if step % t.log_every == 0 or step == stop_at:
                     for row in range(0, min(rl.num_samples * rl.group_size, len(texts)), rl.group_size):
                         logger.message(f"  sample (prompt {prompt_of_row[row]}, reward {float(total_N[row]):.3g}): "

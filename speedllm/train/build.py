@@ -11,7 +11,7 @@ from typing import Any, Dict, NamedTuple, Optional
 import torch
 
 from speedllm.adapters.lora import adapter_fn, init_adapters
-from speedllm.checkpoint.dcp import Checkpointer
+from speedllm.checkpoint.dcp import Checkpointer, load_weights
 from speedllm.checkpoint.hf import load_hf_weights
 from speedllm.hardware import DTYPES
 from speedllm.models.moe import take_expert_load
@@ -21,7 +21,7 @@ from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.metrics import MetricsLogger
 from speedllm.train.optimizer import build_optimizer
 from speedllm.train.schedule import build_scheduler
-from speedllm.train.state import restore
+from speedllm.train.state import first_weights, restore
 
 
 def grad_accum_steps(train, dp_size: int) -> int:
@@ -103,10 +103,14 @@ def build_training(cfg, rt: Runtime, loader=None) -> Training:
 
 def frozen_reference(cfg, rt: Runtime) -> torch.nn.Module:
     """The starting weights, frozen (DPO's and GRPO's reference model): built under the job's layout from the
-    seed and loaded from checkpoint.load_hf, as the policy is."""
+    seed and loaded as the policy was first: from another task's checkpoint (train.state.first_weights) or
+    checkpoint.load_hf."""
     seed_everything(cfg.seed)
     reference = build_model(cfg, rt).module
-    if cfg.checkpoint.load_hf is not None:
+    start = first_weights(cfg)
+    if start is not None:
+        load_weights(start, reference)
+    elif cfg.checkpoint.load_hf is not None:
         load_hf_weights(reference, cfg.checkpoint.load_hf)
     return reference.requires_grad_(False)
 

@@ -7,7 +7,14 @@ import random
 import numpy as np
 import torch
 
-from speedllm.checkpoint.dcp import DAMAGED_FIX, load_checkpoint, resolve_load
+from speedllm.checkpoint.dcp import (
+    DAMAGED_FIX,
+    load_checkpoint,
+    load_weights,
+    resolve_load,
+    saved_task,
+    started_from,
+)
 from speedllm.checkpoint.hf import load_hf_weights
 from speedllm.errors import reading
 from speedllm.parallel import ParallelModel
@@ -51,16 +58,30 @@ def extra_state(step: int, scheduler, loader, device: torch.device) -> dict:
             "rng": rng_state(device)}
 
 
+def first_weights(cfg):
+    """The checkpoint of another task whose weights this run started from (checkpoint.dcp.started_from), or None."""
+    path = resolve_load(load_request(cfg), cfg.checkpoint.dir)
+    return None if path is None else started_from(path, cfg.task.name)
+
+
 def restore(cfg, rt: Runtime, pm: ParallelModel, optimizer, scheduler, loader) -> tuple:
-    """Load what the run starts from: a checkpoint to resume (model, optimizer, scheduler, loader position, RNG),
-    else HF weights (checkpoint.load_hf); under adapters the frozen base first. Returns (step, checkpoint | None)."""
+    """Load what the run starts from: a checkpoint of this task to resume (model, optimizer, scheduler, loader
+    position, RNG), another task's checkpoint (its weights only: a new run), else HF weights (checkpoint.load_hf);
+    under adapters the frozen base first. Returns (step, checkpoint resumed | None)."""
     step, ck = 0, cfg.checkpoint
     resume_from = resolve_load(load_request(cfg), ck.dir)
+    other = None
+    if resume_from is not None:
+        other = saved_task(resume_from)
+        other = None if other in (None, cfg.task.name) else other
+        ck.load = str(resume_from)  # the checkpoints this run saves name the one it loaded (first_weights)
     if cfg.finetune.name != "full":  # the frozen base under the adapters; the adapters resume below
         from speedllm.checkpoint.adapters import load_base
 
         resume_from = load_base(pm.parts, cfg, resume_from)
-    if resume_from is not None:
+    if resume_from is not None and other is not None:
+        load_weights(resume_from, pm.module)
+    elif resume_from is not None:
         check_resumable(resume_from, cfg.optim)
         extra = load_checkpoint(resume_from, pm.module, optimizer)
         with reading(f"checkpoint.load: {resume_from}/extra_rank*.pt", DAMAGED_FIX):  # edited or garbled values
@@ -72,4 +93,7 @@ def restore(cfg, rt: Runtime, pm: ParallelModel, optimizer, scheduler, loader) -
             print(f"resumed from {resume_from} at step {step}")
     elif ck.load_hf is not None and cfg.finetune.name == "full":  # fine-tune from HF weights (a resume first)
         load_hf_weights(pm.parts, ck.load_hf)
-    return step, resume_from
+    if other is not None and rt.is_main:
+        print(f"checkpoint.load: {ck.load} is a task={other} checkpoint; task={cfg.task.name} starts a new run from "
+              "its weights (fresh optimizer, LR schedule and data order, step 0)")
+    return step, None if other is not None else resume_from
