@@ -61,12 +61,14 @@ def tril_unit_inverse(a: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _Layout:
-    """Where each token sits among the chunks (module docstring). index [M * C]: the token of each chunk slot
-    (T: padding, a zero row); inverse [T]: each token's slot; order [N]: the documents by length, longest first;
-    active[j], offsets[j]: how many chunks step j holds and where they start."""
+    """Where each token sits among the chunks (module docstring). token [M, C]: the token in each chunk slot
+    (padding: token 0, its values never read: beta, g and do are zeroed there); pad [M, C]: which slots are
+    padding; slot [T]: each token's chunk and position in it (m * C + c); order [N]: the documents by length,
+    longest first; active[j], offsets[j]: how many chunks step j holds and where they start."""
 
-    index: torch.Tensor
-    inverse: torch.Tensor
+    token: torch.Tensor
+    pad: torch.Tensor
+    slot: torch.Tensor
     order: torch.Tensor
     active: tuple
     offsets: tuple
@@ -81,61 +83,82 @@ def _layout(lengths: list, starts: list, total: int) -> _Layout:
     rank = torch.arange(len(step)) - torch.tensor(offsets, dtype=torch.long)[step]  # the document's rank by length
     length, start = (torch.tensor([values[d] for d in order], dtype=torch.long)[rank] for values in (lengths, starts))
     position = step[:, None] * CHUNK + torch.arange(CHUNK)
-    index = torch.where(position < length[:, None], start[:, None] + position, total).flatten()
-    inverse = torch.empty(total, dtype=torch.long)
-    real = index < total
-    inverse[index[real]] = torch.arange(index.numel())[real]
-    return _Layout(index, inverse, torch.tensor(order), active, offsets)
+    pad = position >= length[:, None]
+    token = torch.where(pad, 0, start[:, None] + position)
+    slot = torch.empty(total, dtype=torch.long)
+    slot[token[~pad]] = torch.arange(token.numel()).view(token.shape)[~pad]
+    return _Layout(token, pad, slot, torch.tensor(order), active, offsets)
 
 
 def _to_chunks(x_TH: torch.Tensor, layout: _Layout) -> torch.Tensor:
-    """Token tensor [T, H, ...] -> fp32 chunks [M, H, C, ...] (padding zero)."""
-    padded = torch.cat([x_TH.float(), x_TH.new_zeros(1, *x_TH.shape[1:], dtype=torch.float32)])
-    chunks = padded[layout.index]
-    return chunks.view(-1, CHUNK, *chunks.shape[1:]).transpose(1, 2).contiguous()
+    """Token tensor [T, H] or [T, H, D] -> fp32 chunks [M, H, C] or [M, H, C, D] (one gather; padding slots hold
+    token 0)."""
+    T, H = x_TH.shape[:2]
+    rows = layout.token[:, None, :] * H + torch.arange(H)[:, None]
+    return x_TH.reshape(T * H, -1).index_select(0, rows.flatten()).view(*rows.shape, *x_TH.shape[2:]).float()
 
 
 def _from_chunks(x_MHC: torch.Tensor, layout: _Layout) -> torch.Tensor:
-    """Chunks [M, H, C, ...] -> token tensor [T, H, ...] (padding dropped)."""
-    return x_MHC.transpose(1, 2).flatten(0, 1)[layout.inverse]
+    """Chunks [M, H, C] or [M, H, C, D] -> token tensor [T, H] or [T, H, D] (padding dropped; one gather)."""
+    M, H, C = x_MHC.shape[:3]
+    m, c = layout.slot // C, layout.slot % C
+    rows = (m[:, None] * H + torch.arange(H)) * C + c[:, None]
+    return x_MHC.reshape(M * H * C, -1).index_select(0, rows.flatten()).view(*rows.shape, *x_MHC.shape[3:])
 
 
-def _normalized(x_THK: torch.Tensor):
-    """(x L2-normalized in fp32, the inverse norms) for the op's q and k."""
+def _zero_padding(x_MHC: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    return x_MHC.masked_fill_(layout.pad.view(-1, 1, CHUNK, *[1] * (x_MHC.dim() - 3)), 0.0)
+
+
+def _normalized(x_THK: torch.Tensor, scale: float = 1.0):
+    """(x L2-normalized in fp32, times `scale`; the inverse norms) for the op's q and k."""
     x = x_THK.float()
-    rstd = torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)  # as gated_delta.l2norm
-    return x * rstd, rstd
+    rstd = torch.rsqrt(torch.linalg.vecdot(x, x)[..., None] + 1e-6)  # as gated_delta.l2norm
+    return x * (rstd * scale), rstd
 
 
 class _Chunks:
-    """The per-chunk quantities of the module docstring, fp32 [M, H, C, ...], from the op's token tensors."""
+    """The per-chunk quantities of the module docstring, fp32. A key head serves G = H / Hk value heads: value-head
+    tensors are [M, Hk, G, C, ...] (the same memory as [M, H, C, ...]), key-head ones [M, Hk, 1, C, ...], so q k^T
+    and k k^T are computed once per key head and nothing is repeated."""
 
     def __init__(self, q_THK, k_THK, v_THV, g_TH, beta_TH, layout: _Layout):
-        groups, K = v_THV.shape[1] // k_THK.shape[1], k_THK.shape[-1]
-        self.qn, self.q_rstd = _normalized(q_THK)
-        self.kn, self.k_rstd = _normalized(k_THK)
-        self.q = _to_chunks(self.qn * K ** -0.5, layout).repeat_interleave(groups, dim=1)
-        self.k = _to_chunks(self.kn, layout).repeat_interleave(groups, dim=1)
-        self.v, self.beta = _to_chunks(v_THV, layout), _to_chunks(beta_TH, layout)
-        self.b = _to_chunks(g_TH, layout).cumsum(-1)
+        Hk, K = k_THK.shape[1:]
+        self.groups = v_THV.shape[1] // Hk
+        value_heads = lambda x: x.view(x.shape[0], Hk, self.groups, *x.shape[2:])  # noqa: E731
+        key_heads = lambda x: _to_chunks(x, layout)[:, :, None]  # noqa: E731
+        q, self.q_rstd = _normalized(q_THK, K ** -0.5)
+        k, self.k_rstd = _normalized(k_THK)
+        self.q, self.k = key_heads(q), key_heads(k)
+        self.v = value_heads(_to_chunks(v_THV, layout))
+        self.beta = value_heads(_zero_padding(_to_chunks(beta_TH, layout), layout))
+        self.b = value_heads(_zero_padding(_to_chunks(g_TH, layout), layout).cumsum(-1))
         causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool).tril()
-        self.decay_CC = (self.b[..., :, None] - self.b[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+        self.decay_CC = (self.b[..., :, None] - self.b[..., None, :]).masked_fill_(~causal, float("-inf")).exp_()
         self.kk = self.k @ self.k.transpose(-1, -2)
-        self.t = tril_unit_inverse(self.kk * self.decay_CC * self.beta[..., None])
+        self.t = tril_unit_inverse(self.kk * (self.decay_CC * self.beta[..., None]))
         self.exp_b = self.b.exp()
-        self.exp_G = self.exp_b[..., -1]  # the decay over the whole chunk [M, H]
+        self.exp_G = self.exp_b[..., -1]  # the decay over the whole chunk [M, Hk, G]
         self.u = self.t @ (self.v * self.beta[..., None])
-        self.k_e = self.k * self.exp_b[..., None]
-        self.w = self.t @ (self.k_e * self.beta[..., None])
+        self.w = self.t @ (self.k * (self.exp_b * self.beta)[..., None])
         self.q_d = self.q * self.exp_b[..., None]  # reads the chunk's start state
-        self.k_d = self.k * (self.b[..., -1:] - self.b).exp()[..., None]  # writes the chunk's end state
+        self.to_end = (self.b[..., -1:] - self.b).exp()
+        self.k_d = self.k * self.to_end[..., None]  # writes the chunk's end state
         self.qk = self.q @ self.k.transpose(-1, -2)
         self.p = self.qk * self.decay_CC
 
+    def heads(self, x):
+        """A value-head tensor [M, Hk, G, ...] as [M, H, ...]."""
+        return x.flatten(1, 2)
+
 
 def _steps(layout: _Layout):
-    """(j, number of documents at step j, their slice of the chunks) for each scan step j."""
-    return [(j, a, slice(o, o + a)) for j, (a, o) in enumerate(zip(layout.active, layout.offsets))]
+    """(number of documents at step j, their slice of the chunks) for each scan step j."""
+    return [(a, slice(o, o + a)) for a, o in zip(layout.active, layout.offsets)]
+
+
+def _t(x):
+    return x.transpose(-1, -2)
 
 
 class _ChunkGatedDelta(torch.autograd.Function):
@@ -146,14 +169,16 @@ class _ChunkGatedDelta(torch.autograd.Function):
     @torch.autocast("cpu", enabled=False)  # fp32 matmuls whatever autocast is on outside
     def forward(ctx, q, k, v, g, beta, initial_state, layout):
         c = _Chunks(q, k, v, g, beta, layout)
+        u, w, k_d, exp_G = map(c.heads, (c.u, c.w, c.k_d, c.exp_G))
         state = initial_state.float()[layout.order]  # a copy: advanced in place, document by rank
-        starts, v_new = torch.empty(*c.u.shape[:2], *state.shape[-2:]), torch.empty_like(c.u)
-        for j, a, chunk in _steps(layout):
+        starts, v_new = torch.empty(*u.shape[:2], *state.shape[-2:]), torch.empty_like(u)
+        for a, chunk in _steps(layout):
             h = state[:a]
             starts[chunk] = h
-            v_new[chunk] = c.u[chunk] - c.w[chunk] @ h
-            state[:a] = h * c.exp_G[chunk][..., None, None] + c.k_d[chunk].transpose(-1, -2) @ v_new[chunk]
-        o = c.q_d @ starts + c.p @ v_new
+            v_new[chunk] = torch.baddbmm(u[chunk].flatten(0, 1), w[chunk].flatten(0, 1), h.flatten(0, 1),
+                                         alpha=-1).view(v_new[chunk].shape)
+            state[:a] = h * exp_G[chunk][..., None, None] + _t(k_d[chunk]) @ v_new[chunk]
+        o = c.heads(c.q_d) @ starts + c.heads(c.p) @ v_new
         final = torch.empty_like(state)
         final[layout.order] = state
         ctx.save_for_backward(q, k, v, g, beta, starts)
@@ -167,70 +192,70 @@ class _ChunkGatedDelta(torch.autograd.Function):
         q, k, v, g, beta, starts = ctx.saved_tensors
         layout = ctx.layout
         c = _Chunks(q, k, v, g, beta, layout)
-        do = _to_chunks(do_THV, layout)
-        v_new = c.u - c.w @ starts
-        dv_new_local = c.p.transpose(-1, -2) @ do
+        heads = c.heads
+        do = _zero_padding(_to_chunks(do_THV, layout), layout)
+        u, w, k_d, q_d, exp_G = map(heads, (c.u, c.w, c.k_d, c.q_d, c.exp_G))
+        v_new = torch.baddbmm(u.flatten(0, 1), w.flatten(0, 1), starts.flatten(0, 1), alpha=-1).view(u.shape)
+        dv_new = _t(heads(c.p)) @ do  # the local part; the state's is added in the scan
         dstate = dfinal.float()[layout.order]  # a copy, by rank: the gradient at each document's end
-        dv_new, dk_d, dG = torch.empty_like(v_new), torch.empty_like(c.k), torch.empty_like(c.exp_G)
-        for j, a, chunk in reversed(_steps(layout)):
+        dk_d, dG = torch.empty_like(k_d), torch.empty_like(exp_G)
+        for a, chunk in reversed(_steps(layout)):
             dh = dstate[:a]  # the gradient of the state at the chunk's end
-            dv_new[chunk] = dv_new_local[chunk] + c.k_d[chunk] @ dh
-            dk_d[chunk] = v_new[chunk] @ dh.transpose(-1, -2)
-            dG[chunk] = (starts[chunk] * dh).sum((-1, -2)) * c.exp_G[chunk]
-            dstate[:a] = (dh * c.exp_G[chunk][..., None, None] + c.q_d[chunk].transpose(-1, -2) @ do[chunk]
-                          - c.w[chunk].transpose(-1, -2) @ dv_new[chunk])
-        # o = q_d starts + p v_new
-        dq_d = do @ starts.transpose(-1, -2)
-        dq = dq_d * c.exp_b[..., None]
-        db = (c.q_d * dq_d).sum(-1)
-        dp = do @ v_new.transpose(-1, -2)
+            dv_new[chunk] += k_d[chunk] @ dh
+            dk_d[chunk] = v_new[chunk] @ _t(dh)
+            dG[chunk] = torch.linalg.vecdot(starts[chunk].flatten(-2), dh.flatten(-2)) * exp_G[chunk]
+            dstate[:a] = dh * exp_G[chunk][..., None, None] + _t(q_d[chunk]) @ do[chunk] - _t(w[chunk]) @ dv_new[chunk]
+        value_heads = lambda x: x.view(c.v.shape[:3] + x.shape[2:])  # noqa: E731
+        # o = q_d starts + p v_new (p = qk * decay)
+        dq_d = value_heads(do @ _t(starts))
+        db = torch.linalg.vecdot(c.q_d, dq_d)
+        dp = value_heads(do @ _t(v_new))
         dqk = dp * c.decay_CC
-        dq = dq + dqk @ c.k
-        dk = dqk.transpose(-1, -2) @ c.q
-        dp_p = dp * c.p
-        db = db + dp_p.sum(-1) - dp_p.sum(-2)
+        dp_p = dqk * c.qk
+        db += dp_p.sum(-1) - dp_p.sum(-2)
+        dqk = dqk.sum(2)  # over the value heads of a key head [M, Hk, C, C]
+        dq = (dq_d * c.exp_b[..., None]).sum(2) + dqk @ c.k[:, :, 0]
+        dk = _t(dqk) @ c.q[:, :, 0]
         # h' = exp(G) h + k_d^T v_new
-        dk = dk + dk_d * (c.b[..., -1:] - c.b).exp()[..., None]
-        dk_d_k_d = (c.k_d * dk_d).sum(-1)
-        db = db - dk_d_k_d
-        dG = dG + dk_d_k_d.sum(-1)
-        # v_new = u - w h; u = T (beta v), w = T (beta k_e)
-        dw = -(dv_new @ starts.transpose(-1, -2))
-        dv_beta = c.t.transpose(-1, -2) @ dv_new
-        dk_beta = c.t.transpose(-1, -2) @ dw
+        dk_d = value_heads(dk_d)
+        dk_d_k_d = torch.linalg.vecdot(c.k_d, dk_d)
+        db -= dk_d_k_d
+        dG = value_heads(dG) + dk_d_k_d.sum(-1)
+        dk_from = dk_d * c.to_end[..., None]
+        # v_new = u - w h; u = T (beta v), w = T (beta exp(b) k): dw = -dv_new h^T, so dk_beta = -dk_beta_neg
+        dv_new = value_heads(dv_new)
+        dv_beta = _t(c.t) @ dv_new
+        dk_beta_neg = _t(c.t) @ value_heads(heads(dv_new) @ _t(starts))
         dv = dv_beta * c.beta[..., None]
-        dk_e = (c.k_e * dk_beta).sum(-1)
-        dbeta = (c.v * dv_beta).sum(-1) + dk_e
-        dk = dk + dk_beta * (c.beta * c.exp_b)[..., None]
-        db = db + c.beta * dk_e
-        # T = (I + A)^-1, A = strictly_lower(beta_i kk_ij decay_ij)
-        da = -(dv_beta @ c.u.transpose(-1, -2) + dk_beta @ c.w.transpose(-1, -2)).tril(-1)
-        da_kk_decay = da * c.kk * c.decay_CC
-        dbeta = dbeta + da_kk_decay.sum(-1)
-        da_a = da_kk_decay * c.beta[..., None]
-        db = db + da_a.sum(-1) - da_a.sum(-2)
-        dkk = da * c.decay_CC * c.beta[..., None]
-        dk = dk + (dkk + dkk.transpose(-1, -2)) @ c.k
+        dk_e = -torch.linalg.vecdot(c.k, dk_beta_neg) * c.exp_b  # d(beta) through w, per row
+        dbeta = torch.linalg.vecdot(c.v, dv_beta) + dk_e
+        dk_from -= dk_beta_neg * (c.beta * c.exp_b)[..., None]
+        db += c.beta * dk_e
+        # T = (I + A)^-1, A = strictly_lower(beta_i kk_ij decay_ij): dA = -(dv_beta u^T + dk_beta w^T)
+        da = (dk_beta_neg @ _t(c.w) - dv_beta @ _t(c.u)).tril_(-1) * c.decay_CC
+        da_kk = da * c.kk
+        dbeta += da_kk.sum(-1)
+        da_kk *= c.beta[..., None]
+        db += da_kk.sum(-1) - da_kk.sum(-2)
+        dkk = (da * c.beta[..., None]).sum(2)
+        dk = dk + dk_from.sum(2) + (dkk + _t(dkk)) @ c.k[:, :, 0]
         # b = cumsum(g), G = b at the chunk's end
         db[..., -1] += dG
         dg = db.flip(-1).cumsum(-1).flip(-1)
-        K, groups = k.shape[-1], v.shape[1] // k.shape[1]
-        dq = _l2norm_grad(_group_sum(_from_chunks(dq, layout), groups) * K ** -0.5, c.qn, c.q_rstd)
-        dk = _l2norm_grad(_group_sum(_from_chunks(dk, layout), groups), c.kn, c.k_rstd)
+        K = k.shape[-1]
+        dq = _l2norm_grad(_from_chunks(dq, layout), q, c.q_rstd, K ** -0.5)
+        dk = _l2norm_grad(_from_chunks(dk, layout), k, c.k_rstd)
         dinitial = torch.empty_like(dstate)
         dinitial[layout.order] = dstate
-        return (dq.to(q.dtype), dk.to(k.dtype), _from_chunks(dv, layout).to(v.dtype),
-                _from_chunks(dg, layout).to(g.dtype), _from_chunks(dbeta, layout).to(beta.dtype), dinitial, None)
+        return (dq.to(q.dtype), dk.to(k.dtype), _from_chunks(heads(dv), layout).to(v.dtype),
+                _from_chunks(heads(dg), layout).to(g.dtype), _from_chunks(heads(dbeta), layout).to(beta.dtype),
+                dinitial, None)
 
 
-def _group_sum(x_THK: torch.Tensor, groups: int) -> torch.Tensor:
-    """The gradient of a key head repeated to `groups` consecutive value heads: their sum."""
-    return x_THK.view(x_THK.shape[0], -1, groups, x_THK.shape[-1]).sum(2)
-
-
-def _l2norm_grad(dy, y, rstd):
-    """d/dx of y = x * rstd: rstd (dy - y (y . dy))."""
-    return rstd * (dy - y * (y * dy).sum(-1, keepdim=True))
+def _l2norm_grad(dy, x, rstd, scale: float = 1.0):
+    """d/dx of y = x * rstd * scale (rstd = 1 / |x|): rstd scale (dy - xn (xn . dy)), xn = x * rstd."""
+    xn = x.float() * rstd
+    return (rstd * scale) * (dy - xn * torch.linalg.vecdot(xn, dy)[..., None])
 
 
 def _takes(*tensors) -> bool:
