@@ -59,26 +59,36 @@ def tril_unit_inverse(a: torch.Tensor) -> torch.Tensor:
     return t
 
 
+BLOCK = 32  # chunks whose per-chunk work is done at once: bounds the temporaries (~20 MB at H = 8, K = V = 128)
+
+
 @dataclass(frozen=True)
 class _Layout:
     """Where each token sits among the chunks (module docstring). token [M, C]: the token in each chunk slot
     (padding: token 0, its values never read: beta, g and do are zeroed there); pad [M, C]: which slots are
     padding; slot [T]: each token's chunk and position in it (m * C + c); order [N]: the documents by length,
-    longest first; active[j], offsets[j]: how many chunks step j holds and where they start."""
+    longest first; blocks: per block of about BLOCK chunks, its chunks (lo, hi) and its scan steps, each the
+    number of documents at that step and their chunks' slice within the block."""
 
     token: torch.Tensor
     pad: torch.Tensor
     slot: torch.Tensor
     order: torch.Tensor
-    active: tuple
-    offsets: tuple
+    blocks: tuple
 
 
 def _layout(lengths: list, starts: list, total: int) -> _Layout:
     chunks = [-(-n // CHUNK) for n in lengths]
     order = sorted(range(len(lengths)), key=lambda d: -chunks[d])
-    active = tuple(sum(chunks[d] > j for d in order) for j in range(max(chunks, default=0)))
-    offsets = tuple(sum(active[:j]) for j in range(len(active)))
+    active = [sum(chunks[d] > j for d in order) for j in range(max(chunks, default=0))]
+    offsets = [sum(active[:j]) for j in range(len(active))]
+    blocks, steps = [], []
+    for j, (a, o) in enumerate(zip(active, offsets)):
+        lo = o - sum(n for n, _ in steps)
+        steps.append((a, slice(o - lo, o - lo + a)))
+        if o + a - lo >= BLOCK or j == len(active) - 1:
+            blocks.append((lo, o + a, tuple(steps)))
+            steps = []
     step = torch.repeat_interleave(torch.arange(len(active)), torch.tensor(active, dtype=torch.long))
     rank = torch.arange(len(step)) - torch.tensor(offsets, dtype=torch.long)[step]  # the document's rank by length
     length, start = (torch.tensor([values[d] for d in order], dtype=torch.long)[rank] for values in (lengths, starts))
@@ -87,14 +97,14 @@ def _layout(lengths: list, starts: list, total: int) -> _Layout:
     token = torch.where(pad, 0, start[:, None] + position)
     slot = torch.empty(total, dtype=torch.long)
     slot[token[~pad]] = torch.arange(token.numel()).view(token.shape)[~pad]
-    return _Layout(token, pad, slot, torch.tensor(order), active, offsets)
+    return _Layout(token, pad, slot, torch.tensor(order), tuple(blocks))
 
 
-def _to_chunks(x_TH: torch.Tensor, layout: _Layout) -> torch.Tensor:
-    """Token tensor [T, H] or [T, H, D] -> fp32 chunks [M, H, C] or [M, H, C, D] (one gather; padding slots hold
-    token 0)."""
+def _to_chunks(x_TH: torch.Tensor, token_MC: torch.Tensor) -> torch.Tensor:
+    """Token tensor [T, H] or [T, H, D] -> fp32 chunks [M, H, C] or [M, H, C, D] of the tokens `token_MC` (one
+    gather)."""
     T, H = x_TH.shape[:2]
-    rows = layout.token[:, None, :] * H + torch.arange(H)[:, None]
+    rows = token_MC[:, None, :] * H + torch.arange(H)[:, None]
     return x_TH.reshape(T * H, -1).index_select(0, rows.flatten()).view(*rows.shape, *x_TH.shape[2:]).float()
 
 
@@ -106,39 +116,40 @@ def _from_chunks(x_MHC: torch.Tensor, layout: _Layout) -> torch.Tensor:
     return x_MHC.reshape(M * H * C, -1).index_select(0, rows.flatten()).view(*rows.shape, *x_MHC.shape[3:])
 
 
-def _zero_padding(x_MHC: torch.Tensor, layout: _Layout) -> torch.Tensor:
-    return x_MHC.masked_fill_(layout.pad.view(-1, 1, CHUNK, *[1] * (x_MHC.dim() - 3)), 0.0)
+def _zero_padding(x_MHC: torch.Tensor, pad_MC: torch.Tensor) -> torch.Tensor:
+    return x_MHC.masked_fill_(pad_MC.view(-1, 1, CHUNK, *[1] * (x_MHC.dim() - 3)), 0.0)
 
 
 def _normalized(x_THK: torch.Tensor, scale: float = 1.0):
     """(x L2-normalized in fp32, times `scale`; the inverse norms) for the op's q and k."""
     x = x_THK.float()
-    rstd = torch.rsqrt(torch.linalg.vecdot(x, x)[..., None] + 1e-6)  # as gated_delta.l2norm
+    rstd = torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)  # as gated_delta.l2norm
     return x * (rstd * scale), rstd
 
 
 class _Chunks:
-    """The per-chunk quantities of the module docstring, fp32. A key head serves G = H / Hk value heads: value-head
-    tensors are [M, Hk, G, C, ...] (the same memory as [M, H, C, ...]), key-head ones [M, Hk, 1, C, ...], so q k^T
-    and k k^T are computed once per key head and nothing is repeated."""
+    """The per-chunk quantities of the module docstring for the chunks [lo, hi), fp32. A key head serves
+    G = H / Hk value heads: value-head tensors are [m, Hk, G, C, ...] (the same memory as [m, H, C, ...]), key-head
+    ones [m, Hk, 1, C, ...], so q k^T and k k^T are computed once per key head and nothing is repeated.
 
-    def __init__(self, q_THK, k_THK, v_THV, g_TH, beta_TH, layout: _Layout):
-        Hk, K = k_THK.shape[1:]
-        self.groups = v_THV.shape[1] // Hk
-        value_heads = lambda x: x.view(x.shape[0], Hk, self.groups, *x.shape[2:])  # noqa: E731
-        key_heads = lambda x: _to_chunks(x, layout)[:, :, None]  # noqa: E731
-        q, self.q_rstd = _normalized(q_THK, K ** -0.5)
-        k, self.k_rstd = _normalized(k_THK)
-        self.q, self.k = key_heads(q), key_heads(k)
-        self.v = value_heads(_to_chunks(v_THV, layout))
-        self.beta = value_heads(_zero_padding(_to_chunks(beta_TH, layout), layout))
-        self.b = value_heads(_zero_padding(_to_chunks(g_TH, layout), layout).cumsum(-1))
+    Args:
+        q_THK, k_THK: q and k normalized (q scaled), fp32. The rest: the op's token tensors.
+    """
+
+    def __init__(self, q_THK, k_THK, v_THV, g_TH, beta_TH, layout: _Layout, lo: int, hi: int):
+        token, pad = layout.token[lo:hi], layout.pad[lo:hi]
+        Hk = k_THK.shape[1]
+        value_heads = lambda x: x.view(x.shape[0], Hk, -1, *x.shape[2:])  # noqa: E731
+        self.q, self.k = (_to_chunks(x, token)[:, :, None] for x in (q_THK, k_THK))
+        self.v = value_heads(_to_chunks(v_THV, token))
+        self.beta = value_heads(_zero_padding(_to_chunks(beta_TH, token), pad))
+        self.b = value_heads(_zero_padding(_to_chunks(g_TH, token), pad).cumsum(-1))
         causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool).tril()
         self.decay_CC = (self.b[..., :, None] - self.b[..., None, :]).masked_fill_(~causal, float("-inf")).exp_()
         self.kk = self.k @ self.k.transpose(-1, -2)
         self.t = tril_unit_inverse(self.kk * (self.decay_CC * self.beta[..., None]))
         self.exp_b = self.b.exp()
-        self.exp_G = self.exp_b[..., -1]  # the decay over the whole chunk [M, Hk, G]
+        self.exp_G = self.exp_b[..., -1]  # the decay over the whole chunk [m, Hk, G]
         self.u = self.t @ (self.v * self.beta[..., None])
         self.w = self.t @ (self.k * (self.exp_b * self.beta)[..., None])
         self.q_d = self.q * self.exp_b[..., None]  # reads the chunk's start state
@@ -147,38 +158,46 @@ class _Chunks:
         self.qk = self.q @ self.k.transpose(-1, -2)
         self.p = self.qk * self.decay_CC
 
-    def heads(self, x):
-        """A value-head tensor [M, Hk, G, ...] as [M, H, ...]."""
-        return x.flatten(1, 2)
 
-
-def _steps(layout: _Layout):
-    """(number of documents at step j, their slice of the chunks) for each scan step j."""
-    return [(a, slice(o, o + a)) for a, o in zip(layout.active, layout.offsets)]
+def _heads(x):
+    """A value-head tensor [m, Hk, G, ...] as [m, H, ...]."""
+    return x.flatten(1, 2)
 
 
 def _t(x):
     return x.transpose(-1, -2)
 
 
+def _minus_w_h(u, w, h):
+    """u - w h over the leading dims (one baddbmm)."""
+    return torch.baddbmm(u.flatten(0, -3), w.flatten(0, -3), h.flatten(0, -3), alpha=-1).view(u.shape)
+
+
 class _ChunkGatedDelta(torch.autograd.Function):
     """The chunked rule over token tensors q, k [T, Hk, K], v [T, H, V], g, beta [T, H] and the documents'
-    initial states [N, H, K, V] -> (o [T, H, V] in v's dtype, final states fp32 [N, H, K, V])."""
+    initial states [N, H, K, V] -> (o [T, H, V] in v's dtype, final states fp32 [N, H, K, V]). Block by block
+    of chunks: the per-chunk quantities of a block, then its scan steps, then its outputs (backward: the same in
+    reverse order)."""
 
     @staticmethod
     @torch.autocast("cpu", enabled=False)  # fp32 matmuls whatever autocast is on outside
     def forward(ctx, q, k, v, g, beta, initial_state, layout):
-        c = _Chunks(q, k, v, g, beta, layout)
-        u, w, k_d, exp_G = map(c.heads, (c.u, c.w, c.k_d, c.exp_G))
+        qn, _ = _normalized(q, q.shape[-1] ** -0.5)
+        kn, _ = _normalized(k)
+        M, (T, H, V), K = layout.token.shape[0], v.shape, k.shape[-1]
         state = initial_state.float()[layout.order]  # a copy: advanced in place, document by rank
-        starts, v_new = torch.empty(*u.shape[:2], *state.shape[-2:]), torch.empty_like(u)
-        for a, chunk in _steps(layout):
-            h = state[:a]
-            starts[chunk] = h
-            v_new[chunk] = torch.baddbmm(u[chunk].flatten(0, 1), w[chunk].flatten(0, 1), h.flatten(0, 1),
-                                         alpha=-1).view(v_new[chunk].shape)
-            state[:a] = h * exp_G[chunk][..., None, None] + _t(k_d[chunk]) @ v_new[chunk]
-        o = c.heads(c.q_d) @ starts + c.heads(c.p) @ v_new
+        starts, o = torch.empty(M, H, K, V), torch.empty(M, H, CHUNK, V)
+        for lo, hi, steps in layout.blocks:
+            c = _Chunks(qn, kn, v, g, beta, layout, lo, hi)
+            u, w, k_d, exp_G = map(_heads, (c.u, c.w, c.k_d, c.exp_G))
+            block_starts, v_new = starts[lo:hi], torch.empty_like(u)
+            for a, chunk in steps:
+                h = state[:a]
+                block_starts[chunk] = h
+                v_new[chunk] = _minus_w_h(u[chunk], w[chunk], h)
+                state[:a] = h * exp_G[chunk][..., None, None] + _t(k_d[chunk]) @ v_new[chunk]
+            torch.matmul(_heads(c.q_d), block_starts, out=o[lo:hi])
+            o[lo:hi] += _heads(c.p) @ v_new
         final = torch.empty_like(state)
         final[layout.order] = state
         ctx.save_for_backward(q, k, v, g, beta, starts)
@@ -191,71 +210,76 @@ class _ChunkGatedDelta(torch.autograd.Function):
     def backward(ctx, do_THV, dfinal):
         q, k, v, g, beta, starts = ctx.saved_tensors
         layout = ctx.layout
-        c = _Chunks(q, k, v, g, beta, layout)
-        heads = c.heads
-        do = _zero_padding(_to_chunks(do_THV, layout), layout)
-        u, w, k_d, q_d, exp_G = map(heads, (c.u, c.w, c.k_d, c.q_d, c.exp_G))
-        v_new = torch.baddbmm(u.flatten(0, 1), w.flatten(0, 1), starts.flatten(0, 1), alpha=-1).view(u.shape)
-        dv_new = _t(heads(c.p)) @ do  # the local part; the state's is added in the scan
-        dstate = dfinal.float()[layout.order]  # a copy, by rank: the gradient at each document's end
-        dk_d, dG = torch.empty_like(k_d), torch.empty_like(exp_G)
-        for a, chunk in reversed(_steps(layout)):
-            dh = dstate[:a]  # the gradient of the state at the chunk's end
-            dv_new[chunk] += k_d[chunk] @ dh
-            dk_d[chunk] = v_new[chunk] @ _t(dh)
-            dG[chunk] = torch.linalg.vecdot(starts[chunk].flatten(-2), dh.flatten(-2)) * exp_G[chunk]
-            dstate[:a] = dh * exp_G[chunk][..., None, None] + _t(q_d[chunk]) @ do[chunk] - _t(w[chunk]) @ dv_new[chunk]
-        value_heads = lambda x: x.view(c.v.shape[:3] + x.shape[2:])  # noqa: E731
-        # o = q_d starts + p v_new (p = qk * decay)
-        dq_d = value_heads(do @ _t(starts))
-        db = torch.linalg.vecdot(c.q_d, dq_d)
-        dp = value_heads(do @ _t(v_new))
-        dqk = dp * c.decay_CC
-        dp_p = dqk * c.qk
-        db += dp_p.sum(-1) - dp_p.sum(-2)
-        dqk = dqk.sum(2)  # over the value heads of a key head [M, Hk, C, C]
-        dq = (dq_d * c.exp_b[..., None]).sum(2) + dqk @ c.k[:, :, 0]
-        dk = _t(dqk) @ c.q[:, :, 0]
-        # h' = exp(G) h + k_d^T v_new
-        dk_d = value_heads(dk_d)
-        dk_d_k_d = torch.linalg.vecdot(c.k_d, dk_d)
-        db -= dk_d_k_d
-        dG = value_heads(dG) + dk_d_k_d.sum(-1)
-        dk_from = dk_d * c.to_end[..., None]
-        # v_new = u - w h; u = T (beta v), w = T (beta exp(b) k): dw = -dv_new h^T, so dk_beta = -dk_beta_neg
-        dv_new = value_heads(dv_new)
-        dv_beta = _t(c.t) @ dv_new
-        dk_beta_neg = _t(c.t) @ value_heads(heads(dv_new) @ _t(starts))
-        dv = dv_beta * c.beta[..., None]
-        dk_e = -torch.linalg.vecdot(c.k, dk_beta_neg) * c.exp_b  # d(beta) through w, per row
-        dbeta = torch.linalg.vecdot(c.v, dv_beta) + dk_e
-        dk_from -= dk_beta_neg * (c.beta * c.exp_b)[..., None]
-        db += c.beta * dk_e
-        # T = (I + A)^-1, A = strictly_lower(beta_i kk_ij decay_ij): dA = -(dv_beta u^T + dk_beta w^T)
-        da = (dk_beta_neg @ _t(c.w) - dv_beta @ _t(c.u)).tril_(-1) * c.decay_CC
-        da_kk = da * c.kk
-        dbeta += da_kk.sum(-1)
-        da_kk *= c.beta[..., None]
-        db += da_kk.sum(-1) - da_kk.sum(-2)
-        dkk = (da * c.beta[..., None]).sum(2)
-        dk = dk + dk_from.sum(2) + (dkk + _t(dkk)) @ c.k[:, :, 0]
-        # b = cumsum(g), G = b at the chunk's end
-        db[..., -1] += dG
-        dg = db.flip(-1).cumsum(-1).flip(-1)
         K = k.shape[-1]
-        dq = _l2norm_grad(_from_chunks(dq, layout), q, c.q_rstd, K ** -0.5)
-        dk = _l2norm_grad(_from_chunks(dk, layout), k, c.k_rstd)
+        qn, q_rstd = _normalized(q, K ** -0.5)
+        kn, k_rstd = _normalized(k)
+        M, Hk, H, V = starts.shape[0], k.shape[1], v.shape[1], v.shape[-1]
+        dq, dk = torch.empty(M, Hk, CHUNK, K), torch.empty(M, Hk, CHUNK, K)
+        dv, dg, dbeta = torch.empty(M, H, CHUNK, V), torch.empty(M, H, CHUNK), torch.empty(M, H, CHUNK)
+        dstate = dfinal.float()[layout.order]  # a copy, by rank: the gradient at each document's end
+        for lo, hi, steps in reversed(layout.blocks):
+            c = _Chunks(qn, kn, v, g, beta, layout, lo, hi)
+            value_heads = lambda x: x.view(c.v.shape[:3] + x.shape[2:])  # noqa: E731
+            block_starts = starts[lo:hi]
+            do = _zero_padding(_to_chunks(do_THV, layout.token[lo:hi]), layout.pad[lo:hi])
+            u, w, k_d, q_d, exp_G = map(_heads, (c.u, c.w, c.k_d, c.q_d, c.exp_G))
+            v_new = _minus_w_h(u, w, block_starts)
+            dv_new = _t(_heads(c.p)) @ do  # the local part; the state's is added in the scan
+            dk_d, dG = torch.empty_like(k_d), torch.empty_like(exp_G)
+            for a, chunk in reversed(steps):
+                dh = dstate[:a]  # the gradient of the state at the chunk's end
+                dv_new[chunk] += k_d[chunk] @ dh
+                dk_d[chunk] = v_new[chunk] @ _t(dh)
+                dG[chunk] = (block_starts[chunk] * dh).sum((-1, -2)) * exp_G[chunk]
+                dstate[:a] = (dh * exp_G[chunk][..., None, None] + _t(q_d[chunk]) @ do[chunk]
+                              - _t(w[chunk]) @ dv_new[chunk])
+            # o = q_d starts + p v_new (p = qk * decay)
+            dq_d = value_heads(do @ _t(block_starts))
+            db = (c.q_d * dq_d).sum(-1)
+            dqk = value_heads(do @ _t(v_new)) * c.decay_CC
+            dp_p = dqk * c.qk
+            db += dp_p.sum(-1) - dp_p.sum(-2)
+            dqk = dqk.sum(2)  # over the value heads of a key head [m, Hk, C, C]
+            torch.add((dq_d * c.exp_b[..., None]).sum(2), dqk @ c.k[:, :, 0], out=dq[lo:hi])
+            dk_block = _t(dqk) @ c.q[:, :, 0]
+            # h' = exp(G) h + k_d^T v_new
+            dk_d = value_heads(dk_d)
+            dk_d_k_d = (c.k_d * dk_d).sum(-1)
+            db -= dk_d_k_d
+            dG = value_heads(dG) + dk_d_k_d.sum(-1)
+            dk_value = dk_d * c.to_end[..., None]
+            # v_new = u - w h; u = T (beta v), w = T (beta exp(b) k): dw = -dv_new h^T, so dk_beta = -dk_beta_neg
+            dv_beta = _t(c.t) @ value_heads(dv_new)
+            dk_beta_neg = _t(c.t) @ value_heads(dv_new @ _t(block_starts))
+            torch.mul(_heads(dv_beta), _heads(c.beta)[..., None], out=dv[lo:hi])
+            dk_e = -(c.k * dk_beta_neg).sum(-1) * c.exp_b  # d(beta) through w, per row
+            dbeta_block = (c.v * dv_beta).sum(-1) + dk_e
+            dk_value -= dk_beta_neg * (c.beta * c.exp_b)[..., None]
+            db += c.beta * dk_e
+            # T = (I + A)^-1, A = strictly_lower(beta_i kk_ij decay_ij): dA = -(dv_beta u^T + dk_beta w^T)
+            da = (dk_beta_neg @ _t(c.w) - dv_beta @ _t(c.u)).tril_(-1) * c.decay_CC
+            da_kk = da * c.kk
+            dbeta_block += da_kk.sum(-1)
+            dbeta[lo:hi] = _heads(dbeta_block)
+            da_kk *= c.beta[..., None]
+            db += da_kk.sum(-1) - da_kk.sum(-2)
+            dkk = (da * c.beta[..., None]).sum(2)
+            dk[lo:hi] = dk_block + dk_value.sum(2) + (dkk + _t(dkk)) @ c.k[:, :, 0]
+            # b = cumsum(g), G = b at the chunk's end
+            db[..., -1] += dG
+            dg[lo:hi] = _heads(db.flip(-1).cumsum(-1).flip(-1))
+        dq = _l2norm_grad(_from_chunks(dq, layout), q, q_rstd, K ** -0.5)
+        dk = _l2norm_grad(_from_chunks(dk, layout), k, k_rstd)
         dinitial = torch.empty_like(dstate)
         dinitial[layout.order] = dstate
-        return (dq.to(q.dtype), dk.to(k.dtype), _from_chunks(heads(dv), layout).to(v.dtype),
-                _from_chunks(heads(dg), layout).to(g.dtype), _from_chunks(heads(dbeta), layout).to(beta.dtype),
-                dinitial, None)
+        return (dq.to(q.dtype), dk.to(k.dtype), _from_chunks(dv, layout).to(v.dtype), _from_chunks(dg, layout).to(g.dtype),
+                _from_chunks(dbeta, layout).to(beta.dtype), dinitial, None)
 
 
 def _l2norm_grad(dy, x, rstd, scale: float = 1.0):
     """d/dx of y = x * rstd * scale (rstd = 1 / |x|): rstd scale (dy - xn (xn . dy)), xn = x * rstd."""
     xn = x.float() * rstd
-    return (rstd * scale) * (dy - xn * torch.linalg.vecdot(xn, dy)[..., None])
+    return (rstd * scale) * (dy - xn * (xn * dy).sum(-1, keepdim=True))
 
 
 def _takes(*tensors) -> bool:
