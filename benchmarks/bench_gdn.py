@@ -3,7 +3,7 @@ set's chunked form against transformers' torch fallback and our reference twin, 
 with length.
 
     python -m benchmarks gdn [--batch 4] [--seq-lens 512,2048] [--long 8192] [--heads 8] [--key-heads 4]
-                             [--dim 128] [--repeats 3] [--threads N] [--dry]
+                             [--dim 64] [--repeats 3] [--threads N] [--dry]
 
 One call: the op on [batch, seq, heads, dim] inputs (q and k with --key-heads heads, g in the model's range, no
 initial state), then backward of a fixed random projection of its output. The three implementations alternate
@@ -69,7 +69,7 @@ def main(argv=None) -> None:
     parser.add_argument("--long", type=int, default=8192, help="length of the scaling measurement")
     parser.add_argument("--heads", type=int, default=8, help="value heads")
     parser.add_argument("--key-heads", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=128, help="key and value head dim")
+    parser.add_argument("--dim", type=int, default=64, help="key and value head dim")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parse(parser, argv, batch=1, seq_lens="64,100", long=256, heads=2, key_heads=1, dim=16, repeats=1)
