@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import MiB, interleaved, make_parser, parse
+from benchmarks.common import MiB, interleaved, make_parser, parse, peak_tensor_bytes
 from speedllm.native import cpu_name
 from speedllm.ops import get_ops
 
@@ -53,15 +53,6 @@ def runners(args, seq: int, dtype) -> dict:
     return {name: (lambda fn=fn: step(fn)) for name, fn in ops.items()}
 
 
-def peak_bytes(fn) -> int:
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
-    with tracker:
-        fn()
-    return next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"]
-
-
 def main(argv=None) -> None:
     parser = make_parser(__name__, __doc__)
     parser.add_argument("--batch", type=int, default=4)
@@ -81,7 +72,7 @@ def main(argv=None) -> None:
             fns = runners(args, seq, dtype)
             times, _ = interleaved(fns, args.repeats, time.process_time, warmup=1)
             t = {name: statistics.median(v) for name, v in times.items()}
-            peaks = {name: peak_bytes(fn) / MiB for name, fn in fns.items()}
+            peaks = {name: peak_tensor_bytes(fn) / MiB for name, fn in fns.items()}
             ours[dtype, seq] = t["ours"]
             rows.append(f"| {str(dtype).removeprefix('torch.')} | {seq} | {t['ours']:.3f} | {t['transformers']:.3f} | "
                         f"{t['reference']:.3f} | x{t['transformers'] / t['ours']:.2f} | {peaks['ours']:.0f} | "

@@ -29,5 +29,3 @@ void tril_unit_inverse(const float *a, float *t, long n, long C, int threads) {
         }
     }
 }
-
-const char *speedllm_path(void) { return "portable C (" SPEEDLLM_ISA " build)"; } /* for task=doctor */
