@@ -118,6 +118,21 @@ def test_packed_documents_equal_each_document_alone(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", SETS)
+def test_an_empty_packed_document_passes_its_state_through(name):
+    """A zero-length document (two equal cu_seqlens entries) returns its initial state unchanged, and the
+    documents around it are those run alone."""
+    fn = get_ops(name).chunk_gated_delta_rule
+    q, k, v, g, beta, _ = draw(1, 70, seed=5)
+    initial = draw(3, 1, seed=6)[5]
+    out, state = fn(q, k, v, g, beta, initial, torch.tensor([0, 30, 30, 70], dtype=torch.int32))
+    assert torch.equal(state[1], initial[1])
+    for i, (lo, hi) in ((0, (0, 30)), (2, (30, 70))):
+        alone = fn(*(x[:, lo:hi] for x in (q, k, v, g, beta)), initial[i:i + 1])
+        assert_close(out[:, lo:hi], alone[0], 1e-5)
+        assert_close(state[i:i + 1], alone[1], 1e-5)
+
+
+@pytest.mark.parametrize("name", SETS)
 def test_recurrent_form_equals_the_rule_and_transformers(name):
     ops = get_ops(name)
     for S in (1, 3):

@@ -54,6 +54,8 @@ def gated_delta_rule_math(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state
 def _chunked(q, k, v, g, beta, state):
     """One sequence's rule in chunks: prepared fp32 [B, H, S, .] tensors and the fp32 state -> (o [B, H, S, V], state)."""
     S = q.shape[2]
+    if S == 0:  # an empty document of a packed batch: the state passes through
+        return v, state
     pad = -S % CHUNK
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
     g, beta = (F.pad(x, (0, pad)) for x in (g, beta))  # padded tokens: no decay, no write (beta 0)
