@@ -225,12 +225,28 @@ def test_generate_task_on_a_qwen3_next_directory_matches_transformers(tmp_path, 
 
 
 @pytest.mark.parametrize("model", ["qwen3_5_tiny", "qwen3_5_moe_tiny"])
-def test_pretrain_on_the_tiny_hybrid_groups(model, tmp_path, launch_here):
+def test_pretrain_on_the_tiny_hybrid_groups_then_export(model, tmp_path, launch_here):
+    """A from-scratch run trains, its frozen config is the group, and its export is what transformers loads with
+    the trained model's logits (the config.json written from ours)."""
+    from transformers import AutoModelForCausalLM
+
+    from speedllm.checkpoint.dcp import dcp_load
+
     launch_here(tmp_path / "run", f"model={model}", "task=pretrain", "train.steps=3", "train.global_batch_size=2",
-                "train.micro_batch_size=2", "train.seq_len=64", "train.log_every=1", "checkpoint.save_final=false",
-                "generate.num_samples=0")
+                "train.micro_batch_size=2", "train.seq_len=64", "train.log_every=1", "generate.num_samples=0")
     frozen = OmegaConf.to_container(OmegaConf.load(tmp_path / "run" / "config.yaml").model)
     assert frozen == OmegaConf.to_container(compose_config(f"model={model}").model, resolve=True)
     losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
               if "loss" in json.loads(line)]
     assert len(losses) == 3 and all(0 < loss < 10 for loss in losses)
+
+    launch_here(tmp_path / "convert", "task=convert", f"checkpoint.load={tmp_path}/run/checkpoints", "convert.to=hf",
+                f"convert.out={tmp_path}/export")
+    ours = Qwen3(OmegaConf.create(frozen)).eval()
+    state = {"model": ours.state_dict()}
+    dcp_load(state, next((tmp_path / "run" / "checkpoints").glob("step_*")))
+    ours.load_state_dict(state["model"])
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    tokens = torch.randint(0, 8192, (1, 70), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        assert relative_error(ours(tokens), hf(tokens).logits) <= 1e-5

@@ -84,12 +84,6 @@ class _States:
         self.conv[i, self.lo:self.hi] = conv_BCW
         self.state[i, self.lo:self.hi] = state_BHKV
 
-    def _copy_row(self, src: int, dst: int, length: int) -> None:
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
-        self.conv[:, dst] = self.conv[:, src]
-        self.state[:, dst] = self.state[:, src]
-
 
 class KVCache(_States):
     """Every layer's state for `batch` sequences of up to `max_seq_len` tokens (`cache_shape` says which).
@@ -170,5 +164,8 @@ class SlotCache(_States):
     def move(self, src: int, dst: int) -> None:
         """Row src's sequence becomes row dst's."""
         n = self.lengths[src]
-        self._copy_row(src, dst, n)
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.conv[:, dst] = self.conv[:, src]
+        self.state[:, dst] = self.state[:, src]
         self.lengths[dst], self.lengths[src] = n, 0
