@@ -234,7 +234,8 @@ def test_unsupported_architecture_lists_the_supported_ones(hf_dirs, tmp_path):
 
     assert broken(hf_dirs["dense_tied"], tmp_path, edit) == (
         f"checkpoint.load_hf={tmp_path / 'broken'}: config.json architectures ['LlamaForCausalLM'] is not "
-        "supported; supported: Qwen3ForCausalLM, Qwen3MoeForCausalLM")
+        "supported; supported: Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen3NextForCausalLM, Qwen3_5ForCausalLM, "
+        "Qwen3_5MoeForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration")
 
 
 def test_incomplete_directory_names_what_is_missing(hf_dirs, tmp_path):

@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
 from speedllm.models import KVCache, Qwen3, num_params
+from speedllm.models.kv_cache import cache_shape
 from speedllm.models.config import ModelConfig
 from speedllm.models.hf_adapter import from_hf_state_dict, hf_config, model_config_from_hf, to_hf_state_dict
 from speedllm.paths import CONF
@@ -59,8 +60,7 @@ def test_parity_logits_loss_grads(name, ops, hf_pair):
 def greedy(model, prompt, max_new_tokens, attention_mask=None):
     """Greedy decoding with our static KV cache: one prefill, then one token per step."""
     B, S = prompt.shape
-    cache = KVCache(model.cfg.num_hidden_layers, B, S + max_new_tokens, model.cfg.num_key_value_heads,
-                    model.cfg.head_dim, torch.float32)
+    cache = KVCache(cache_shape(model.cfg), B, S + max_new_tokens, torch.float32)
     mask = torch.ones_like(prompt) if attention_mask is None else attention_mask
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     tokens, out = prompt, []

@@ -74,7 +74,7 @@ def test_rope_scaling_exports_as_rope_parameters_and_rejects_unknown_types():
         vocab_size = hidden_size = intermediate_size = num_hidden_layers = num_attention_heads = 8
         num_key_value_heads, head_dim, max_position_embeddings, rope_theta = 8, 8, 128, 1e4
         rms_norm_eps, tie_word_embeddings, initializer_range, num_experts = 1e-6, False, 0.02, 0
-        rope_scaling = YARN
+        rope_scaling, attention_output_gate = YARN, False
 
     assert hf_config_dict(Cfg)["rope_parameters"] == {**YARN, "rope_theta": 1e4}
     with pytest.raises(UserError, match="rope_type 'longrope' is not supported"):

@@ -1,12 +1,20 @@
 """Hugging Face checkpoints in and out.
 
 In: `load_hf_weights(model, dir)` fills a model in any parallel layout from an HF directory (config.json,
-one or many *.safetensors, model.safetensors.index.json). Every tensor of this rank's state dict (a plain
+one or many *.safetensors, model.safetensors.index.json): a Qwen3 / Qwen3-MoE / Qwen3-Next / Qwen3.5 causal LM,
+or a Qwen3.5 release (`…ForConditionalGeneration`), whose text model is what we load and train. Every tensor of this rank's state dict (a plain
 tensor, or a DTensor under FSDP2 / TP / EP, a subset of layers on a pipeline stage) is read as exactly the
 slice this rank holds, straight from the safetensors files: no rank reads a whole model.
 
-Out: `write_hf_dir(...)` writes sharded safetensors (per-expert names, no lm_head when tied), the index,
-config.json, generation_config.json and the tokenizer files, into a temp directory renamed when complete.
+Out: `write_hf_dir(...)` writes sharded safetensors (named as the source directory names them: prefix, per-expert
+or fused experts; no lm_head when tied), the index, config.json, generation_config.json and the tokenizer files,
+into a temp directory renamed when complete.
+
+A release's tensors beside the text model (the vision tower `model.visual.*`, the MTP head `mtp.*`) are not part
+of our model: nothing trains them, so they are not held beside every rank's parameters. They travel as files:
+task=convert keeps them in the DCP checkpoint it writes (under `hf_extras.`), and an export writes them back,
+unchanged, from there or else from the HF directory the run started from (`read_extras`), so an export is again
+a complete release directory with its original config.json.
 
 Names follow speedllm.models.hf_adapter (the one name map); the files are checked against the shapes the
 config implies before anything is read, so a bad directory fails with the tensor named, not mid-load.
@@ -36,11 +44,20 @@ from torch import nn
 from speedllm.adapters.lora import is_adapter, unwrapped
 from speedllm.errors import UserError, reading
 from speedllm.models.config import ModelConfig
-from speedllm.models.hf_adapter import hf_config, model_config_from_hf, to_hf_state_dict
+from speedllm.models.hf_adapter import (
+    ARCHITECTURES,
+    RELEASES,
+    HFNames,
+    hf_config,
+    hf_names_of,
+    is_extra,
+    model_config_from_hf,
+    to_hf_state_dict,
+)
 from speedllm.outputs import MARKER, make_scratch_dir
 from speedllm.quant.nf4 import fill_nf4_, is_nf4
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES.values()) + tuple(RELEASES.values())
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
 INDEX = "model.safetensors.index.json"
@@ -49,14 +66,17 @@ INDEX = "model.safetensors.index.json"
 ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rms_norm_eps", "tie_word_embeddings",
                "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-               "decoder_sparse_step", "mlp_only_layers")
+               "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size", "layer_types",
+               "attention_output_gate", "zero_centered_norm", "partial_rotary_factor", "linear_num_key_heads",
+               "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+               "linear_fused_projections")
 OTHER_FIELDS = ("max_position_embeddings", "initializer_range", "router_aux_loss_coef")
 
 
 # ---------------------------------------------------------------------------------------------- config
 
 def read_hf_config(path: str) -> dict:
-    """config.json of an HF model directory, after checking that it is a Qwen3 / Qwen3-MoE causal LM."""
+    """config.json of an HF model directory, after checking that it is a Qwen3-family causal LM or release."""
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise UserError(f"checkpoint.load_hf={path}: no config.json there; point it at a Hugging Face model "
@@ -115,7 +135,7 @@ def config_mismatches(model_cfg, path: str) -> List[str]:
     """`field (file vs model)` for each architecture field where config.json and the model config differ."""
     hf = hf_model_fields(path)
     ours = {key: getattr(model_cfg, key) for key in ARCH_FIELDS}
-    ours["mlp_only_layers"] = list(ours["mlp_only_layers"])
+    ours["mlp_only_layers"], ours["layer_types"] = list(ours["mlp_only_layers"]), list(ours["layer_types"])
     return [f"{key} ({hf[key]} vs {value})" for key, value in ours.items() if hf[key] != value]
 
 
@@ -158,13 +178,13 @@ def _open_safetensors(path: str, file: Path):
         yield reader
 
 
-def expected_hf_shapes(model_cfg) -> Dict[str, Tuple[int, ...]]:
+def expected_hf_shapes(model_cfg, names: HFNames = HFNames()) -> Dict[str, Tuple[int, ...]]:
     """HF tensor name -> shape, for the whole model the config describes (built on the meta device)."""
     from speedllm.models.qwen3 import Qwen3
 
     with torch.device("meta"):
         model = Qwen3(model_cfg)
-    return {name: tuple(t.shape) for name, t in to_hf_state_dict(model.state_dict(), model_cfg).items()}
+    return {name: tuple(t.shape) for name, t in to_hf_state_dict(model.state_dict(), model_cfg, names).items()}
 
 
 def _names(items: Iterable[str], limit: int = 5) -> str:
@@ -175,12 +195,13 @@ def _names(items: Iterable[str], limit: int = 5) -> str:
 
 def check_hf_files(path: str, model_cfg, files: Dict[str, Path]) -> None:
     """Every tensor the config implies is there with its shape, and nothing else (reads headers only)."""
-    expected = expected_hf_shapes(model_cfg)
+    expected = expected_hf_shapes(model_cfg, hf_names_of(files))
     missing = expected.keys() - files.keys()
     if missing:
         raise UserError(f"checkpoint.load_hf={path}: {len(missing)} tensor(s) missing: {_names(missing)}; the "
                         "directory does not hold every weight its config.json describes")
-    unexpected = {n for n in files.keys() - expected.keys() if not n.endswith("rotary_emb.inv_freq")}
+    unexpected = {n for n in files.keys() - expected.keys() if not n.endswith("rotary_emb.inv_freq") and
+                  not is_extra(n)}
     if unexpected:
         raise UserError(f"checkpoint.load_hf={path}: unexpected tensor(s) {_names(unexpected)} are not part of "
                         "the model its config.json describes; fix config.json or remove them")
@@ -210,11 +231,13 @@ def local_slices(tensor: torch.Tensor) -> Tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
-def _sources(name: str, shape, model_cfg) -> List[str]:
+def _sources(name: str, shape, model_cfg, names: HFNames) -> List[str]:
     """The HF tensors one of our tensors is made of (one, or one per expert stacked on dim 0)."""
     if name == "lm_head.weight" and model_cfg.tie_word_embeddings:
-        return ["model.embed_tokens.weight"]
-    return list(to_hf_state_dict({name: torch.empty(shape, device="meta")}, model_cfg))
+        return [f"{names.prefix}embed_tokens.weight"]
+    if names.fused_experts and name.endswith((".experts.gate_proj", ".experts.up_proj")):
+        return [name.rsplit(".", 1)[0].replace("layers.", f"{names.prefix}layers.", 1) + ".gate_up_proj"]
+    return list(to_hf_state_dict({name: torch.empty(shape, device="meta")}, model_cfg, names))
 
 
 def _modules(model) -> List[nn.Module]:
@@ -261,6 +284,7 @@ def hf_reader(path: str, model_cfg, files: Dict[str, Path]):
     each file stays memory-mapped (and its pages read so far resident) until the context exits."""
     from safetensors import safe_open
 
+    names = hf_names_of(files)
     with ExitStack() as stack:
         readers = {}
 
@@ -271,7 +295,10 @@ def hf_reader(path: str, model_cfg, files: Dict[str, Path]):
             return readers[file].get_slice(hf_name)[index]
 
         def read(name: str, shape, index: Tuple[slice, ...]) -> torch.Tensor:
-            sources = _sources(name, shape, model_cfg)
+            sources = _sources(name, shape, model_cfg, names)
+            if sources[0].endswith(".gate_up_proj"):  # fused experts: gate_proj the first half of dim 1, up_proj
+                half = shape[1] if name.endswith(".up_proj") else 0
+                return read_hf(sources[0], (index[0], slice(index[1].start + half, index[1].stop + half), index[2]))
             if len(sources) == 1:
                 return read_hf(sources[0], index)
             # stacked experts [E, out, in]: the experts of index[0], each its own HF tensor
@@ -300,13 +327,15 @@ def _layer_order(name: str):
     return (0 if name.startswith("embed_tokens") else 2 if name.startswith("norm") else 3, 0, name)
 
 
-def plan_shards(tensors: Dict[str, Tuple[tuple, torch.dtype]], max_bytes: int) -> List[List[str]]:
-    """Group our tensor names into shards of at most max_bytes each (a larger tensor gets a shard of its own)."""
+def plan_shards(tensors: Dict[str, Tuple[tuple, torch.dtype]], max_bytes: int, together=lambda name: False
+                ) -> List[List[str]]:
+    """Group our tensor names into shards of at most max_bytes each (a larger tensor gets a shard of its own);
+    a name for which `together` holds stays in the shard of the name before it."""
     shards, current, size = [], [], 0
     for name in sorted(tensors, key=_layer_order):
         shape, dtype = tensors[name]
         nbytes = torch.Size(shape).numel() * dtype.itemsize
-        if current and size + nbytes > max_bytes:
+        if current and size + nbytes > max_bytes and not together(name):
             shards.append(current)
             current, size = [], 0
         current.append(name)
@@ -316,17 +345,46 @@ def plan_shards(tensors: Dict[str, Tuple[tuple, torch.dtype]], max_bytes: int) -
     return shards
 
 
+def _describes(model_cfg, source: Optional[Path]) -> bool:
+    """Whether `source` holds a config.json describing this model (then it is kept, with its naming and extras)."""
+    return source is not None and (source / "config.json").is_file() and not config_mismatches(model_cfg, str(source))
+
+
 def _config_json(model_cfg, source: Optional[Path], dtype: torch.dtype) -> dict:
     """The source's own config.json when it describes this model (every field kept), else one from our config."""
     dtype_name = str(dtype).removeprefix("torch.")
-    if source is not None and (source / "config.json").is_file() and not config_mismatches(model_cfg, str(source)):
-        config = json.loads((source / "config.json").read_text())
-    else:
-        hf = hf_config(model_cfg)
-        hf.architectures = [SUPPORTED_ARCHITECTURES[1 if model_cfg.num_experts > 0 else 0]]
-        config = hf.to_dict()
+    config = json.loads((source / "config.json").read_text()) if _describes(model_cfg, source) else \
+        hf_config(model_cfg).to_dict()
     config["torch_dtype" if "torch_dtype" in config else "dtype"] = dtype_name
+    if "text_config" in config:  # a release: its text part says the dtype too
+        config["text_config"]["dtype"] = dtype_name
     return config
+
+
+NAMES_FILE = "hf_names.json"  # beside a converted checkpoint's copy of the HF config: how the directory named tensors
+
+
+def source_names(source: Path) -> HFNames:
+    """How HF directory `source` (or a converted checkpoint's `hf/` copy of its files) names the text model."""
+    if (source / NAMES_FILE).is_file():
+        return HFNames(**json.loads((source / NAMES_FILE).read_text()))
+    if has_weights(source):
+        return hf_names_of(weight_files(str(source)))
+    return HFNames()  # a checkpoint converted before the naming was kept: a Qwen3 causal LM's
+
+
+def has_weights(path: Path) -> bool:
+    return any(path.glob("*.safetensors"))
+
+
+def read_extras(source: str, files: Optional[Dict[str, Path]] = None) -> Dict[str, torch.Tensor]:
+    """The tensors of HF directory `source` that are not the text model (vision tower, MTP head), as stored."""
+    files = weight_files(source) if files is None else files
+    extras = {}
+    for file in sorted({files[name] for name in files if is_extra(name)}):
+        with _open_safetensors(source, file) as reader:
+            extras.update({name: reader.get_tensor(name) for name in reader.keys() if is_extra(name)})
+    return extras
 
 
 def _token_ids(tokenizer_dir: Path, vocab_size: int) -> dict:
@@ -364,7 +422,8 @@ def _honour_umask(root: Path) -> None:
 def write_hf_dir(out: str, model_cfg, tensors: Dict[str, Tuple[tuple, torch.dtype]],
                  fetch: Callable[[List[str]], Dict[str, torch.Tensor]], max_shard_size="5GB",
                  dtype: Optional[torch.dtype] = None, source: Optional[str] = None,
-                 tokenizer: Optional[str] = None, progress: bool = True) -> Path:
+                 tokenizer: Optional[str] = None, progress: bool = True,
+                 extras: Optional[Dict[str, torch.Tensor]] = None) -> Path:
     """Write an HF model directory that `transformers.AutoModelForCausalLM.from_pretrained` loads.
 
     Args:
@@ -372,8 +431,9 @@ def write_hf_dir(out: str, model_cfg, tensors: Dict[str, Tuple[tuple, torch.dtyp
         fetch: loads a list of our names as full tensors (called once per shard, so memory stays ~one shard).
         dtype: dtype of the written weights (None: each tensor's own).
         source: directory with the original config.json / generation_config.json / tokenizer files, reused
-            verbatim when it describes this model.
+            verbatim when it describes this model; its tensor names and extras (vision tower, MTP) too.
         tokenizer: tokenizer directory, when `source` has no tokenizer files.
+        extras: the tensors beside the text model, written as they are (None: the source directory's).
     Written to `.<out>.tmp` and renamed to `out` when complete; `out` must not exist or be empty.
     """
     from safetensors.torch import save_file
@@ -382,25 +442,34 @@ def write_hf_dir(out: str, model_cfg, tensors: Dict[str, Tuple[tuple, torch.dtyp
     out_path = Path(out)
     if out_path.exists() and any(out_path.iterdir()):
         raise UserError(f"convert.out={out} exists and is not empty; choose a new directory or remove it")
+    source_path = Path(source) if source is not None else None
+    keep = _describes(model_cfg, source_path)
+    names = source_names(source_path) if keep else HFNames()
+    if extras is None:
+        extras = read_extras(source) if keep and has_weights(source_path) else {}
     tmp = make_scratch_dir(out_path.parent / f".{out_path.name}.tmp", "convert.out")
     if model_cfg.tie_word_embeddings:
         tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
     tensors = {k: (shape, dtype or t_dtype) for k, (shape, t_dtype) in tensors.items()}
-    shards = plan_shards(tensors, parse_size(max_shard_size))
-    total = sum(torch.Size(s).numel() * d.itemsize for s, d in tensors.values())
+    # the extras keep their own dtype: nothing here computes with them
+    all_tensors = {**tensors, **{k: (tuple(t.shape), t.dtype) for k, t in extras.items()}}
+    shards = plan_shards(all_tensors, parse_size(max_shard_size),
+                         lambda name: names.fused_experts and name.endswith(".experts.up_proj"))
+    total = sum(torch.Size(s).numel() * d.itemsize for s, d in all_tensors.values())
     weight_map = {}
     with tqdm(total=total, unit="B", unit_scale=True, desc="writing safetensors", disable=not progress) as bar:
-        for i, names in enumerate(shards):
+        for i, shard_names in enumerate(shards):
             file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            ours = {k: v.to(tensors[k][1]) for k, v in fetch(names).items()}
+            group = [k for k in shard_names if k in tensors]
+            ours = {k: v.to(tensors[k][1]) for k, v in fetch(group).items()} if group else {}
             # unbound experts share their stack's storage, which safetensors refuses: give each its own
-            shard = {k: v.detach().to("cpu").clone() for k, v in to_hf_state_dict(ours, model_cfg).items()}
+            shard = {k: v.detach().to("cpu").clone() for k, v in to_hf_state_dict(ours, model_cfg, names).items()}
+            shard.update({k: extras[k].contiguous() for k in shard_names if k in extras})
             save_file(shard, str(tmp / file), metadata={"format": "pt"})
             weight_map.update({name: file for name in shard})
-            bar.update(sum(torch.Size(tensors[k][0]).numel() * tensors[k][1].itemsize for k in names))
+            bar.update(sum(torch.Size(all_tensors[k][0]).numel() * all_tensors[k][1].itemsize for k in shard_names))
     (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
-    source_path = Path(source) if source is not None else None
     copy_tokenizer(source if source_path and has_tokenizer(source) else tokenizer, tmp)
     config = _config_json(model_cfg, source_path, tensors["embed_tokens.weight"][1])
     ids = _token_ids(tmp, model_cfg.vocab_size) if has_tokenizer(str(tmp)) else {}

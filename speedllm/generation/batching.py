@@ -20,7 +20,7 @@ from torch import nn
 
 from speedllm.generation.engine import StopStrings, last_position_only
 from speedllm.generation.sampling import Sampling, next_token
-from speedllm.models.kv_cache import SlotCache
+from speedllm.models.kv_cache import SlotCache, cache_shape
 
 
 @dataclass
@@ -34,8 +34,7 @@ class Step:
 
 def new_slot_cache(model_cfg, num_slots: int, max_len: int, dtype, device, tp: int = 1) -> SlotCache:
     """A slot cache for `num_slots` sequences of up to `max_len` tokens; a TP rank holds kv_heads / tp."""
-    return SlotCache(model_cfg.num_hidden_layers, num_slots, max_len, model_cfg.num_key_value_heads // tp,
-                     model_cfg.head_dim, dtype, device)
+    return SlotCache(cache_shape(model_cfg, tp), num_slots, max_len, dtype, device)
 
 
 @torch.no_grad()

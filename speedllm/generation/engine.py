@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from speedllm.generation.sampling import Sampling, next_token
-from speedllm.models.kv_cache import KVCache
+from speedllm.models.kv_cache import KVCache, cache_shape
 from speedllm.models.rope import max_positions
 
 
@@ -31,9 +31,8 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple:
 
 
 def new_cache(model_cfg, batch: int, max_len: int, dtype, device, tp: int = 1) -> KVCache:
-    """A KV cache for `batch` rows of up to `max_len` tokens; with tensor parallelism a rank holds kv_heads / tp."""
-    return KVCache(model_cfg.num_hidden_layers, batch, max_len, model_cfg.num_key_value_heads // tp,
-                   model_cfg.head_dim, dtype, device)
+    """A cache for `batch` rows of up to `max_len` tokens; with tensor parallelism a rank holds heads / tp."""
+    return KVCache(cache_shape(model_cfg, tp), batch, max_len, dtype, device)
 
 
 @contextlib.contextmanager

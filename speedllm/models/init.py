@@ -11,7 +11,7 @@ is held beyond the block being filled.
 
 import hashlib
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -36,6 +36,21 @@ def normal_block_(out: torch.Tensor, name: str, shape: Sequence[int], offset: Se
     Args:
         shape: the whole tensor's shape; `out` is the block of it starting at `offset` (one entry per dim).
     """
+    random_block_(out, name, shape, offset, seed, lambda t, generator: t.normal_(0.0, std, generator=generator))
+
+
+@torch.no_grad()
+def log_uniform_block_(out: torch.Tensor, name: str, shape: Sequence[int], offset: Sequence[int], low: float,
+                       high: float, seed: int) -> None:
+    """Fill `out` with its block of tensor `name` ~ log(Uniform(low, high)) (Gated DeltaNet's A_log)."""
+    random_block_(out, name, shape, offset, seed,
+                  lambda t, generator: t.uniform_(low, high, generator=generator).log_())
+
+
+@torch.no_grad()
+def random_block_(out: torch.Tensor, name: str, shape: Sequence[int], offset: Sequence[int], seed: int,
+                  draw: Callable[[torch.Tensor, torch.Generator], None]) -> None:
+    """Fill `out` with its block of tensor `name`, each chunk's values made by draw(fp32 CPU tensor, generator)."""
     if out.numel() == 0:
         return
     rows = chunk_rows(shape)
@@ -48,8 +63,9 @@ def normal_block_(out: torch.Tensor, name: str, shape: Sequence[int], offset: Se
         lo, hi = chunk * rows, min((chunk + 1) * rows, shape[0])
         generator = chunk_generator(seed, name, chunk)
         if in_place and start <= lo and hi <= stop:
-            out[lo - start:hi - start].normal_(0.0, std, generator=generator)
+            draw(out[lo - start:hi - start], generator)
             continue
-        values = torch.empty((hi - lo, *shape[1:])).normal_(0.0, std, generator=generator)
+        values = torch.empty((hi - lo, *shape[1:]))
+        draw(values, generator)
         a, b = max(lo, start), min(hi, stop)
         out[a - start:b - start].copy_(values[(slice(a - lo, b - lo), *cols)])

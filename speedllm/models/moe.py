@@ -1,4 +1,5 @@
-"""Qwen3-MoE sparse block: softmax router, top-k experts stored stacked for one grouped matmul per projection.
+"""The MLPs: Qwen3's dense SwiGLU, and the Qwen3-MoE sparse block: softmax router, top-k experts stored stacked for
+one grouped matmul per projection, and (Qwen3.5-MoE, Qwen3-Next) a shared expert gated by sigmoid(Linear(D -> 1)).
 
 Letters: N tokens, D hidden, I expert intermediate size, E experts, k experts per token.
 """
@@ -11,6 +12,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from speedllm.ops import Ops
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int, ops: Ops):
+        super().__init__()
+        self.ops = ops
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class Experts(nn.Module):
@@ -42,7 +55,8 @@ def swiglu_experts(x_ND: torch.Tensor, counts_E: torch.Tensor, ops: Ops, gate_EI
 
 
 class MoE(nn.Module):
-    """Routes each token to its top-k experts and sums their outputs weighted by the router probabilities."""
+    """Routes each token to its top-k experts and sums their outputs weighted by the router probabilities; with
+    cfg.shared_expert_intermediate_size, adds a shared expert's output times sigmoid(shared_expert_gate(x))."""
 
     def __init__(self, cfg, ops: Ops):
         super().__init__()
@@ -52,6 +66,11 @@ class MoE(nn.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, ops)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
         # Expert load of the training forwards since the last `take_expert_load`: tokens routed to each expert,
         # router entropy summed over tokens, tokens. Not state: checkpoints leave it out.
         self.register_buffer("load_tally", torch.zeros(cfg.num_experts + 2), persistent=False)
@@ -86,6 +105,8 @@ class MoE(nn.Module):
         counts_E = torch.bincount(flat_experts, minlength=self.num_experts)
         y = self.experts(x_ND[token_of_row], counts_E, self.ops) * weights_Nk.reshape(-1, 1)[order]
         out_ND = torch.zeros_like(x_ND).index_add_(0, token_of_row, y)
+        if self.shared_expert is not None:
+            out_ND = out_ND + torch.sigmoid(self.shared_expert_gate(x_ND)) * self.shared_expert(x_ND)
 
         entropy_N = torch.special.entr(probs_NE.detach()).sum(dim=-1)  # -sum p ln p
         if token_mask is None:

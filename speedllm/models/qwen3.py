@@ -1,9 +1,12 @@
-"""Qwen3, dense and MoE, as one readable single-device model (parallelism is applied from outside).
+"""The Qwen3 family as one readable single-device model (parallelism is applied from outside): Qwen3 dense and
+MoE, and the hybrid Qwen3.5 / Qwen3-Next, whose layers each pick their parts from the config: a mixer (softmax
+attention, optionally gated with partial rotary, or Gated DeltaNet by `layer_types`) and an MLP (dense, MoE, or
+MoE plus a sigmoid-gated shared expert).
 
 Letters: B batch, S sequence (this step), T keys (cache length after this step), D hidden, H query heads,
-K kv heads, Dh head_dim, V vocabulary, N tokens (B*S).
+K kv heads, Dh head_dim, R rotary dims, V vocabulary, N tokens (B*S).
 
-Module names mirror transformers' Qwen3ForCausalLM without the "model." prefix, so the HF map is a rename.
+Module names mirror transformers' causal LMs without the "model." prefix, so the HF map is a rename.
 A pipeline splitter may set `embed_tokens`, `norm`, `lm_head` to None and delete entries of `layers`:
 forward then takes / returns hidden states, and for MoE models also the running load-balancing statistics.
 """
@@ -13,27 +16,43 @@ from typing import Callable
 import torch
 from torch import nn
 
-from speedllm.models.init import normal_block_
-from speedllm.models.kv_cache import SlotCache
-from speedllm.models.moe import MoE, load_balancing_loss, pack_stats, unpack_stats
+from speedllm.models.gated_deltanet import GatedDeltaNet
+from speedllm.models.init import log_uniform_block_, normal_block_
+from speedllm.models.kv_cache import SlotCache, layer_kinds
+from speedllm.models.moe import MLP, MoE, load_balancing_loss, pack_stats, unpack_stats
 from speedllm.models.rope import inverse_frequencies
 from speedllm.ops import Ops, get_ops
 from speedllm.ops.loss import chunked_cross_entropy
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, ops: Ops):
+    """Qwen3's RMSNorm; zero_centered: the hybrid family's, scaling by (1 + weight), all in fp32 and rounded once
+    (transformers' Qwen3_5RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float, ops: Ops, zero_centered: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
         self.eps = eps
         self.ops = ops
+        self.zero_centered = zero_centered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.zero_centered:
+            return self.ops.rms_norm(x.float(), 1.0 + self.weight.float(), self.eps).to(x.dtype)
         return self.ops.rms_norm(x, self.weight, self.eps)
 
 
+def partial_rotary(rotary, x_BSHD, cos_BSR, sin_BSR):
+    """RoPE on the first R dims of each head (cos/sin's width), the rest passed through."""
+    R = cos_BSR.shape[-1]
+    if R == x_BSHD.shape[-1]:
+        return rotary(x_BSHD, cos_BSR, sin_BSR)
+    return torch.cat([rotary(x_BSHD[..., :R], cos_BSR, sin_BSR), x_BSHD[..., R:]], dim=-1)
+
+
 class Attention(nn.Module):
-    """GQA attention with per-head RMSNorm on q and k before RoPE, no biases."""
+    """GQA attention with per-head RMSNorm on q and k before RoPE, no biases. With cfg.attention_output_gate
+    (Qwen3.5, Qwen3-Next) q_proj also yields, per head after its query, a gate: output * sigmoid(gate)."""
 
     def __init__(self, cfg, layer_id: int, ops: Ops):
         super().__init__()
@@ -41,27 +60,35 @@ class Attention(nn.Module):
         self.ops = ops
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        self.gated = cfg.attention_output_gate
         dim = cfg.hidden_size
         q_dim, kv_dim = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        self.q_proj = nn.Linear(dim, q_dim, bias=False)
+        self.q_proj = nn.Linear(dim, q_dim * (2 if self.gated else 1), bias=False)
         self.k_proj = nn.Linear(dim, kv_dim, bias=False)
         self.v_proj = nn.Linear(dim, kv_dim, bias=False)
         self.o_proj = nn.Linear(q_dim, dim, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, cfg.zero_centered_norm)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, cfg.zero_centered_norm)
 
-    def forward(self, x_BSD, cos_BSD, sin_BSD, mask, kv_cache=None, attend=None):
+    def forward(self, x_BSD, cos_BSR, sin_BSR, mask, kv_cache=None, attend=None):
         B, S, _ = x_BSD.shape
-        q = self.ops.rotary(self.q_norm(self.q_proj(x_BSD).view(B, S, -1, self.head_dim)), cos_BSD, sin_BSD)
-        k = self.ops.rotary(self.k_norm(self.k_proj(x_BSD).view(B, S, -1, self.head_dim)), cos_BSD, sin_BSD)
+        q = self.q_proj(x_BSD).view(B, S, -1, self.head_dim * (2 if self.gated else 1))
+        if self.gated:
+            q, gate = q.chunk(2, dim=-1)
+        q = partial_rotary(self.ops.rotary, self.q_norm(q), cos_BSR, sin_BSR)
+        k = partial_rotary(self.ops.rotary, self.k_norm(self.k_proj(x_BSD).view(B, S, -1, self.head_dim)),
+                           cos_BSR, sin_BSR)
         v = self.v_proj(x_BSD).view(B, S, -1, self.head_dim)
         if attend is not None:  # packed documents or context parallel: the forward's own attention
-            return self.o_proj(attend(q, k, v, self.scale).reshape(B, S, -1))
-        q_BHSD, k_BKTD, v_BKTD = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if kv_cache is not None:
-            k_BKTD, v_BKTD = kv_cache.update(self.layer_id, k_BKTD, v_BKTD)
-        out_BHSD = self.ops.attention(q_BHSD, k_BKTD, v_BKTD, mask, self.scale)
-        return self.o_proj(out_BHSD.transpose(1, 2).reshape(B, S, -1))
+            out = attend(q, k, v, self.scale).reshape(B, S, -1)
+        else:
+            q_BHSD, k_BKTD, v_BKTD = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            if kv_cache is not None:
+                k_BKTD, v_BKTD = kv_cache.update(self.layer_id, k_BKTD, v_BKTD)
+            out = self.ops.attention(q_BHSD, k_BKTD, v_BKTD, mask, self.scale).transpose(1, 2).reshape(B, S, -1)
+        if self.gated:
+            out = out * torch.sigmoid(gate.reshape(B, S, -1))
+        return self.o_proj(out)
 
 
 def masked_attention(attention, mask):
@@ -95,18 +122,6 @@ def varlen_attention(varlen, cu_seqlens, max_seqlen):
     return attend
 
 
-class MLP(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int, ops: Ops):
-        super().__init__()
-        self.ops = ops
-        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
-        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
-        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.swiglu(self.gate_proj(x), self.up_proj(x)))
-
-
 def is_moe_layer(cfg, layer_id: int) -> bool:
     """transformers' rule: sparse unless listed in mlp_only_layers, every decoder_sparse_step-th layer."""
     return (
@@ -117,18 +132,30 @@ def is_moe_layer(cfg, layer_id: int) -> bool:
 
 
 class DecoderLayer(nn.Module):
+    """A mixer (`self_attn`: softmax attention, or `linear_attn`: Gated DeltaNet, by cfg.layer_types) and an MLP
+    (dense, or MoE with the shared expert the config may give it), each after its RMSNorm, with residuals."""
+
     def __init__(self, cfg, layer_id: int, ops: Ops):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.self_attn = Attention(cfg, layer_id, ops)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        zero_centered = cfg.zero_centered_norm
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, zero_centered)
+        self.is_linear = layer_kinds(cfg)[layer_id] == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg, layer_id, ops)
+        else:
+            self.self_attn = Attention(cfg, layer_id, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, zero_centered)
         self.is_moe = is_moe_layer(cfg, layer_id)
         self.mlp = MoE(cfg, ops) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size, ops)
 
-    def forward(self, x_BSD, cos_BSD, sin_BSD, mask, kv_cache=None, token_mask=None, attend=None):
-        """Returns the new hidden states and the MoE load-balancing statistics (None for a dense layer)."""
-        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), cos_BSD, sin_BSD, mask, kv_cache,
-                                       attend=attend)
+    def forward(self, x_BSD, cos_BSR, sin_BSR, mask, kv_cache=None, token_mask=None, attend=None, documents=None):
+        """Returns the new hidden states and the MoE load-balancing statistics (None for a dense layer).
+        `documents`: (document_ids, cu_seqlens) of packed rows, for a Gated DeltaNet mixer."""
+        h = self.input_layernorm(x_BSD)
+        if self.is_linear:
+            x_BSD = x_BSD + self.linear_attn(h, kv_cache, token_mask, *(documents or (None, None)))
+        else:
+            x_BSD = x_BSD + self.self_attn(h, cos_BSR, sin_BSR, mask, kv_cache, attend=attend)
         h = self.post_attention_layernorm(x_BSD)
         if self.is_moe:
             out, stats = self.mlp(h, token_mask)
@@ -138,9 +165,17 @@ class DecoderLayer(nn.Module):
 
 def init_block_(out: torch.Tensor, name: str, shape, offset, cfg, seed: int) -> None:
     """Fill `out`, the block at `offset` of parameter `name` (of `shape`, named as in the whole model), with its
-    initial values: ones for RMSNorm weights, else Normal(0, initializer_range) (speedllm.models.init)."""
-    if name.endswith("norm.weight"):
+    initial values: ones for RMSNorm weights (zeros for zero-centred ones; the gated norm of Gated DeltaNet is
+    not), ones for dt_bias, log(Uniform(0.01, 16)) for A_log (as transformers), else Normal(0,
+    initializer_range) (speedllm.models.init)."""
+    if name.endswith("linear_attn.norm.weight") or name.endswith("dt_bias"):
         out.fill_(1.0)
+        return
+    if name.endswith("norm.weight"):
+        out.fill_(0.0 if cfg.zero_centered_norm else 1.0)
+        return
+    if name.endswith("A_log"):
+        log_uniform_block_(out, name, shape, offset, 0.01, 16.0, seed)
         return
     if cfg.tie_word_embeddings and name == "lm_head.weight":  # a pipeline's last stage holds the tied weight
         name = "embed_tokens.weight"
@@ -169,10 +204,11 @@ class Qwen3(nn.Module):
         self.output_loss = output_loss
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, self.ops) for i in range(cfg.num_hidden_layers)})
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops, cfg.zero_centered_norm)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_embeddings()
         self.has_moe = any(layer.is_moe for layer in self.layers.values())  # of the whole model, kept by stages
+        self.has_linear = "linear_attention" in layer_kinds(cfg)
         # RoPE frequencies are a function of the config, not state: computed here on the CPU (as transformers
         # does) and kept out of the state dict and out of meta-device construction; cos/sin are made per forward.
         self.inv_freq, self.rope_scale = inverse_frequencies(cfg)
@@ -186,7 +222,8 @@ class Qwen3(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
-        """Normal(0, initializer_range) for every matrix (linear, embedding, router, experts), ones for norms.
+        """Normal(0, initializer_range) for every matrix (linear, embedding, router, experts, conv), ones for norms
+        (init_block_ has the hybrid family's exceptions).
 
         Each tensor is drawn from generators keyed by (seed, its name), so a sharded model gets the same values
         block by block (speedllm.parallel.weights). Works on a model built on the meta device and moved with
@@ -196,7 +233,9 @@ class Qwen3(nn.Module):
             init_block_(param, name, param.shape, (0,) * param.ndim, self.cfg, seed)
 
     def rope(self, position_ids_BS: torch.Tensor, dtype: torch.dtype):
-        """cos/sin tables [B, S, Dh] for the given positions, computed exactly as transformers does."""
+        """cos/sin tables [B, S, R] for the given positions, computed exactly as transformers does. (Qwen3.5's
+        MRoPE takes three position streams; text gives all three the same positions, and then its interleaving
+        of the streams' frequencies is the identity: plain RoPE on the rotary dims.)"""
         inv_freq, scale = self.inv_freq, self.rope_scale
         scaling = self.cfg.rope_scaling
         if scaling and scaling["rope_type"] == "dynamic":
@@ -275,12 +314,15 @@ class Qwen3(nn.Module):
                 attend = varlen_attention(self.ops.varlen_attention, *document_bounds(document_ids))
             elif attend is None:
                 mask = self.attention_mask(B, S, start, document_ids, attention_mask, kv_cache, h_BSD.device)
-        cos_BSD, sin_BSD = self.rope(position_ids, h_BSD.dtype)
+        cos_BSR, sin_BSR = self.rope(position_ids, h_BSD.dtype)
         token_mask = attention_mask[:, -S:] if attention_mask is not None else None
+        documents = None
+        if document_ids is not None and self.has_linear:  # Gated DeltaNet restarts at each document
+            documents = (document_ids, document_bounds(document_ids)[0])
 
         layer_stats = [] if moe_stats is None else [unpack_stats(moe_stats)]
         for layer in self.layers.values():
-            h_BSD, stats = layer(h_BSD, cos_BSD, sin_BSD, mask, kv_cache, token_mask, attend)
+            h_BSD, stats = layer(h_BSD, cos_BSR, sin_BSR, mask, kv_cache, token_mask, attend, documents)
             if stats is not None:
                 layer_stats.append(stats)
                 if self.training:  # here, not in the layer, which activation recompute runs twice

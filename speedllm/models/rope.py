@@ -84,13 +84,15 @@ def max_positions(cfg) -> int:
 
 
 def inverse_frequencies(cfg, seq_len: Optional[int] = None) -> Tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim / 2] fp32 on the CPU, cos/sin scale) for `cfg` (a ModelConfig).
+    """(inv_freq [rotary dims / 2] fp32 on the CPU, cos/sin scale) for `cfg` (a ModelConfig); the rotary dims are
+    head_dim * partial_rotary_factor, as transformers rounds them.
 
     Args:
         seq_len: longest position + 1 of this forward; only dynamic NTK uses it (None: the native length).
     """
     with torch.device("cpu"):  # also when the model is built on the meta device
-        return _frequencies(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling, cfg.max_position_embeddings, seq_len)
+        return _frequencies(cfg.rope_theta, int(cfg.head_dim * cfg.partial_rotary_factor), cfg.rope_scaling,
+                            cfg.max_position_embeddings, seq_len)
 
 
 def _frequencies(theta, dim, scaling, native, seq_len):

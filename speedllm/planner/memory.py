@@ -26,6 +26,7 @@ from torch import nn
 
 from speedllm.hardware import DTYPES
 from speedllm.models.config import PROJECTIONS
+from speedllm.models.kv_cache import cache_bytes
 from speedllm.ops.loss import chunk_rows
 from speedllm.parallel.fsdp import expert_shard_dim
 from speedllm.parallel.pipeline import stages_of_rank
@@ -607,10 +608,8 @@ def teacher_bytes(teacher_cfg, layout: Layout, dtype: str, gathered: bool = True
 def rollout_cache_bytes(m, layout: Layout, rows: int, seq_len: int, dtype: str) -> float:
     """task=grpo: a rank's KV cache while it samples: its data-parallel share of `rows` completions (prompts per
     step x group size), each up to `seq_len` tokens (prompt and completion), its tensor-parallel share of the kv
-    heads, every layer, in `dtype` (speedllm.generation.engine.new_cache)."""
-    per_rank = math.ceil(rows / layout.dp)
-    heads = m.num_key_value_heads / layout.tp
-    return 2 * m.num_hidden_layers * per_rank * seq_len * heads * m.head_dim * DTYPES[dtype].itemsize
+    heads, every layer's state (K/V, or a GDN layer's), in `dtype` (speedllm.generation.engine.new_cache)."""
+    return cache_bytes(m, math.ceil(rows / layout.dp), seq_len, DTYPES[dtype].itemsize, layout.tp)
 
 
 def inference_weight_bytes(model_cfg, quant, dtype: str, tp: int = 1) -> Tuple[float, float]:

@@ -6,9 +6,10 @@
 
 Both run in one process on the CPU. Our checkpoints are layout-free, so a checkpoint saved under any parallel
 layout converts the same way. The DCP checkpoint written here is laid out like a training checkpoint
-(<out>/step_00000000 + `latest`) and holds the model only (no optimizer state); the HF directory's
-config.json, generation_config.json and tokenizer files are kept under step_00000000/hf/ so that the way
-back reproduces them exactly.
+(<out>/step_00000000 + `latest`) and holds the model only (no optimizer state), plus a release's tensors beside
+the text model (vision tower, MTP head) under `hf_extras.`; the HF directory's config.json,
+generation_config.json, tokenizer files and tensor naming are kept under step_00000000/hf/ so that the way back
+reproduces them exactly.
 """
 
 import json
@@ -32,6 +33,7 @@ from speedllm.checkpoint.dcp import (
     step_dir_name,
 )
 from speedllm.checkpoint.hf import (
+    NAMES_FILE,
     check_hf_files,
     copy_tokenizer,
     has_tokenizer,
@@ -42,11 +44,12 @@ from speedllm.checkpoint.hf import (
 )
 from speedllm.errors import UserError
 from speedllm.hardware import DTYPES
-from speedllm.models.hf_adapter import from_hf_state_dict
+from speedllm.models.hf_adapter import from_hf_state_dict, hf_names_of, is_extra
 from speedllm.outputs import make_scratch_dir
 from speedllm.storage import write_text_atomic
 
 HF_SUBDIR = "hf"
+EXTRAS = "hf_extras"  # a converted release's tensors beside the text model, in its DCP checkpoint
 
 
 def _dtype(cfg: DictConfig):
@@ -84,14 +87,18 @@ def hf_to_dcp(path: str, out: str, cfg: DictConfig) -> Path:
         with safe_open(str(file), framework="pt") as reader:
             hf_state.update({name: reader.get_tensor(name) for name in reader.keys() if name in files})
     state = from_hf_state_dict(hf_state, model_cfg)
+    extras = {name: tensor for name, tensor in hf_state.items() if is_extra(name)}
     dtype = _dtype(cfg)
     if dtype is not None:
         state = {name: tensor.to(dtype) for name, tensor in state.items()}
 
     tmp = make_scratch_dir(out_root / f".{final.name}.tmp", "convert.out")
     with _quiet_dcp():
-        dcp.save({"model": state}, checkpoint_id=str(tmp), no_dist=True)
+        dcp.save({"model": state, **({EXTRAS: extras} if extras else {})}, checkpoint_id=str(tmp), no_dist=True)
     (tmp / HF_SUBDIR).mkdir()
+    names = hf_names_of(files)
+    (tmp / HF_SUBDIR / NAMES_FILE).write_text(json.dumps({"prefix": names.prefix,
+                                                           "fused_experts": names.fused_experts}) + "\n")
     for name in ("config.json", "generation_config.json"):
         if (Path(path) / name).is_file():
             shutil.copy2(Path(path) / name, tmp / HF_SUBDIR / name)
@@ -134,6 +141,11 @@ def dcp_to_hf(load: str, out: str, cfg: DictConfig) -> Path:
         dcp_load(state, ckpt)
         return state["model"]
 
+    extras = {key.removeprefix(EXTRAS + "."): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+              for key, meta in metadata.items() if key.startswith(EXTRAS + ".")}
+    if extras:
+        dcp_load({EXTRAS: extras}, ckpt)
+
     # The original HF files: kept inside a converted checkpoint, or the directory a training run started from.
     source = ckpt / HF_SUBDIR
     if not source.is_dir():
@@ -141,7 +153,7 @@ def dcp_to_hf(load: str, out: str, cfg: DictConfig) -> Path:
         source = Path(load_hf) if load_hf is not None and Path(load_hf).is_dir() else None
     return write_hf_dir(out, saved.model, tensors, fetch, cfg.convert.max_shard_size, _dtype(cfg),
                         str(source) if source is not None else None, OmegaConf.select(saved, "data.tokenizer"),
-                        cfg.logging.progress_bar)
+                        cfg.logging.progress_bar, extras or None)
 
 
 def run(cfg: DictConfig, rt) -> None:
