@@ -87,12 +87,12 @@ def _finite(v) -> bool:
 
 # key -> (test, what it must be): values a library would reject later, or that would silently do nothing.
 VALUE_RULES = {
-    **{f"model.{k}": _at_least(1) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                            "num_attention_heads", "num_key_value_heads", "head_dim",
-                                            "max_position_embeddings")},
+    **{f"model.{k}": _at_least(1) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                            "num_key_value_heads", "head_dim", "max_position_embeddings")},
     "model.rope_theta": _above(0),
     "model.rms_norm_eps": _above(0),
     "model.num_experts": _at_least(0),
+    "model.intermediate_size": _at_least(0),  # 0: no dense MLP layer (checked with the MoE keys below)
     **{f"train.{k}": _at_least(1) for k in ("steps", "seq_len", "micro_batch_size", "global_batch_size", "log_every",
                                             "eval_steps", "max_bad_steps")},
     # loss_chunk_size 0: chunks by the logits budget (speedllm.ops.loss.chunk_rows)
@@ -226,6 +226,9 @@ def check_values(cfg: DictConfig) -> None:
     if m.num_experts > 0 and not (1 <= m.num_experts_per_tok <= m.num_experts and m.moe_intermediate_size >= 1):
         raise UserError(f"model.num_experts={m.num_experts} needs model.num_experts_per_tok in [1, {m.num_experts}] "
                         f"and model.moe_intermediate_size >= 1 (now {m.num_experts_per_tok}, {m.moe_intermediate_size})")
+    if m.intermediate_size < 1 and (not m.num_experts or m.mlp_only_layers or m.decoder_sparse_step != 1):
+        raise UserError(f"model.intermediate_size={m.intermediate_size} must be >= 1: model {m.name} has dense MLP "
+                        "layers; set model.intermediate_size to their width")
     if not cfg.task.inference:  # before parallel=auto plans: the positions bound every layout alike
         for error in sequence_errors(m, cfg.train.seq_len, tp=1, cp=1, sequence_parallel=False):
             raise UserError(error)
@@ -424,23 +427,27 @@ def check_distill(cfg: DictConfig) -> None:
 def check_qlora(cfg: DictConfig) -> None:
     """finetune=qlora: the NF4 base is sharded by FSDP2 (dim 0) or held whole in one process; every NF4 weight,
     and each rank's rows of it, must be whole double-quantization blocks (speedllm.quant.nf4)."""
+    import torch
+
+    from speedllm.adapters.lora import target_linears
+    from speedllm.models.qwen3 import Qwen3
     from speedllm.quant.nf4 import NF4_BLOCK, NF4_SCALER_BLOCK
 
     p, m, ft = cfg.parallel, cfg.model, cfg.finetune
     for error in qlora_layout_errors(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, dp=p.dp, fsdp=p.fsdp, name=p.name):
         raise UserError(error)
-    q, kv, d, i = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim, m.hidden_size, \
-        m.intermediate_size
-    shapes = {"q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q)}
-    if not m.num_experts or m.mlp_only_layers or m.decoder_sparse_step != 1:  # dense MLP layers
-        shapes.update(gate_proj=(i, d), up_proj=(i, d), down_proj=(d, i))
+    # the shapes of the linears LoRA adapts, from the meta model (experts are not linears: they stay in full
+    # precision); one per name, as the layers of one kind repeat them
+    with torch.device("meta"):
+        model = Qwen3(m)
+    shapes = {name.rsplit(".", 1)[-1]: tuple(linear.weight.shape)
+              for name, linear in target_linears(model, ft.targets).items()}
     block = NF4_BLOCK * NF4_SCALER_BLOCK
-    for target in (t for t in ft.targets if t in shapes):  # experts stay in full precision
-        rows, cols = shapes[target]
+    for target, (rows, cols) in shapes.items():
         if rows * cols % (block * p.dp) or rows % p.dp:
             raise UserError(f"finetune=qlora: {target}.weight [{rows}, {cols}] does not split into whole NF4 blocks "
-                            f"of {block} weights on each of {p.dp} rank(s); use finetune=lora for model {m.name}"
-                            + (" (or fewer data-parallel ranks)" if p.dp > 1 else ""))
+                            f"of {block} weights on each of {p.dp} rank(s); leave {target} out of finetune.targets or use "
+                            f"finetune=lora for model {m.name}" + (" (or fewer data-parallel ranks)" if p.dp > 1 else ""))
 
 
 def check_inference(cfg: DictConfig) -> None:
