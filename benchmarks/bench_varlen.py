@@ -15,7 +15,7 @@ import time
 import torch
 from omegaconf import OmegaConf
 
-from benchmarks.common import MiB, interleaved, make_parser, parse
+from benchmarks.common import MiB, interleaved, make_parser, parse, peak_tensor_bytes
 from speedllm.models.config import ModelConfig
 from speedllm.models.qwen3 import Qwen3, masked_attention
 from speedllm.paths import CONF
@@ -49,16 +49,6 @@ def steps(model, tokens, positions, docs):
     return {"varlen": lambda: step(), "mask": lambda: step(attend=masked_attention(model.ops.attention, mask))}
 
 
-def peak_bytes(model, fn) -> int:
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
-    tracker.track_external(model)
-    with tracker:
-        fn()
-    return next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"]
-
-
 def main(argv=None) -> None:
     parser = make_parser(__name__, __doc__)
     parser.add_argument("--seq-len", type=int, default=4096)
@@ -68,7 +58,7 @@ def main(argv=None) -> None:
     model, tokens, positions, docs, num_docs = build(args.seq_len, args.doc_len)
     fns = steps(model, tokens, positions, docs)
     times, _ = interleaved(fns, args.repeats, time.process_time, warmup=1)
-    peaks = {name: peak_bytes(model, fn) for name, fn in fns.items()}
+    peaks = {name: peak_tensor_bytes(fn, model) for name, fn in fns.items()}
     print(f"qwen3_tiny, seq_len {args.seq_len}, {num_docs} documents (~{args.doc_len} tokens), "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("| path | step CPU s (median) | peak tensor MiB |")

@@ -89,6 +89,19 @@ def proc_status_kib(field: str, pid="self") -> int:
         return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
 
 
+def peak_tensor_bytes(fn, module=None) -> int:
+    """The peak of tensor bytes during one call of `fn` by torch's MemTracker: tensors the call allocates (saved
+    activations, temporaries, gradients) and, given a `module`, its parameters and their gradients."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    if module is not None:
+        tracker.track_external(module)
+    with tracker:
+        fn()
+    return next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"]
+
+
 def in_fresh_process(module: str, *args, env=None) -> dict:
     """Run benchmark `module` (its __name__) with `args` in a fresh process, `python -m benchmarks <name>`, and
     return the JSON object it prints as its last line; its stderr's end is the error if it fails."""

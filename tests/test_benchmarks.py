@@ -19,6 +19,7 @@ HEADERS = {
     "cp_memory": "| cp | cp_mode | rank | measured peak MiB |",
     "distill_memory": "distill / (sft + teacher weights) =",
     "fsdp_memory": "| ranks | measured peak MiB |",
+    "gdn": "| dtype | seq | ours s | transformers s | reference s |",
     "generate": "| metric | transformers | speedllm | ratio | same ids |",
     "gpu": "| decode | qwen3_0.6b, float32, batch 8",
     "grpo": "ours / trl: steps/s",

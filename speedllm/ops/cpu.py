@@ -22,7 +22,7 @@ from torch.autograd.function import once_differentiable
 from speedllm.native import isa, load
 from speedllm.ops import IGNORE_INDEX, reference
 from speedllm.ops.reference import cross_entropy, varlen_attention
-from speedllm.ops.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from speedllm.ops.gated_delta_cpu import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 __all__ = ["rms_norm", "rotary", "attention", "varlen_attention", "swiglu", "grouped_mm", "cross_entropy",
            "cross_entropy_grad_", "chunk_gated_delta_rule", "recurrent_gated_delta_rule"]

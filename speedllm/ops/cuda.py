@@ -1,8 +1,11 @@
-"""CUDA ops: torch's fused kernels (SDPA flash/efficient attention, fused RMSNorm, grouped GEMM).
+"""CUDA ops: torch's fused kernels (SDPA flash/efficient attention, fused RMSNorm, grouped GEMM), and
+flash-linear-attention's Triton kernels for the gated delta rule where that package is installed.
 
-Everything here is plain torch, so it also runs (and is tested) on CPU; on a GPU the same calls dispatch to
+Everything else here is plain torch, so it also runs (and is tested) on CPU; on a GPU the same calls dispatch to
 the fused kernels.
 """
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -11,9 +14,7 @@ from speedllm.ops import IGNORE_INDEX
 
 # torch has no fused kernel for these; the eager form is it (the loss's gradient: in place, one log_softmax)
 from speedllm.ops.reference import cross_entropy_grad_, rotary, swiglu
-from speedllm.ops.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
-
-from speedllm.ops import reference
+from speedllm.ops import gated_delta, reference
 
 __all__ = ["rms_norm", "rotary", "attention", "varlen_attention", "swiglu", "grouped_mm", "cross_entropy",
            "cross_entropy_grad_", "chunk_gated_delta_rule", "recurrent_gated_delta_rule"]
@@ -50,3 +51,36 @@ def grouped_mm(x_ND: torch.Tensor, w_EOD: torch.Tensor, counts_E: torch.Tensor) 
 
 def cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits_NV.float(), labels_N, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+@functools.cache
+def _fla():
+    """flash-linear-attention's gated delta rule module (the `fla` extra: fla-core), or None where not installed."""
+    try:
+        from fla.ops import gated_delta_rule
+    except ImportError:
+        return None
+    return gated_delta_rule
+
+
+def chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state=None, cu_seqlens=None):
+    """fla's chunk_gated_delta_rule on a GPU where installed, else the reference twin. fla takes our layout
+    ([B, S, heads, dim]) and our grouping of value heads (value head h reads key head h // (H / Hk)) as they are,
+    normalizes q and k in its kernel, and returns its fp32 final states, one per document."""
+    fla = _fla() if q_BSHK.is_cuda else None
+    if fla is None:
+        return gated_delta.chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state, cu_seqlens)
+    return fla.chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state=initial_state,
+                                      output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                      cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
+
+
+def recurrent_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, state):
+    """fla's fused_recurrent_gated_delta_rule (one kernel per decode step) on a GPU where installed, else the
+    reference twin."""
+    fla = _fla() if q_BSHK.is_cuda else None
+    if fla is None:
+        return gated_delta.recurrent_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, state)
+    return fla.fused_recurrent_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g=g_BSH, beta=beta_BSH,
+                                                initial_state=state, output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True)

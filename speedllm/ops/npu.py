@@ -16,6 +16,8 @@ except ImportError as err:
     ) from err
 
 from speedllm.ops.reference import cross_entropy, cross_entropy_grad_  # the fp32 loss is plain torch on every device
+# the gated delta rule: the reference twin. torch_npu has no op for it that we could verify here (fla-core's npu
+# extra needs triton-ascend and a pinned torch 2.10, not our torch)
 from speedllm.ops.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 __all__ = ["rms_norm", "rotary", "attention", "varlen_attention", "swiglu", "grouped_mm", "cross_entropy",
