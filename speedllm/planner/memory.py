@@ -448,7 +448,7 @@ def layer_activation_bytes(m, layout: Layout, seq_len: int, dtype_bytes: int, mo
     attn = (norm_b + rope_b) * (q + kv) + e * q + attention_keys_bytes(m, layout, e) + 2 * e * q + lse
     if gate:  # the gate, its sigmoid and the product's other input
         attn += 3 * e * q
-    if linear:
+    if linear:  # instead of attention
         attn = gdn_activation_bytes(m, e, norm_b)
     if moe:
         router = 4 * m.num_experts  # fp32 router probabilities
@@ -577,7 +577,7 @@ def rank_memory(m, layout: Layout, sp: StageParams, pp_rank: int, seq_len: int,
     avg = sum(count * act[mix] for mix, count in sp.layer_mix.items()) / sp.layers
     per_stage_act = avg * max_stage_layers
     # a recomputed layer is rebuilt whole in backward; the loss's chunk logits live only inside its forward
-    working = 0.0 if layout.recompute == "none" else max(act_full.values())
+    working = 0.0 if layout.recompute == "none" else max(act_full.values(), default=0.0)
     head = 0.0
     transient = 0.0
     if sp.has_head:
