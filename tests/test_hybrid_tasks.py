@@ -76,9 +76,9 @@ def first_batch_loss(run_dir, model):
 
 
 def test_pretrain_convert_and_generate(tmp_path, launch):
-    """Pretrain the MoE config group from scratch, export to HF: transformers loads the export, and task=generate
-    on the checkpoint gives transformers' greedy tokens on it."""
-    code, _, err = launch(tmp_path / "pt", "task=pretrain", "model=qwen3_5_moe_tiny", *RUN, "train.steps=2",
+    """Pretrain the dense config group from scratch, export to HF: transformers loads the export, and
+    task=generate on the checkpoint gives transformers' greedy tokens on it."""
+    code, _, err = launch(tmp_path / "pt", "task=pretrain", "model=qwen3_5_tiny", *RUN, "train.steps=2",
                           "optim.lr=1e-2", "checkpoint.every=2")
     assert code == 0, err[-3000:]
     assert records(tmp_path / "pt")[0]["loss"] > 0
@@ -86,14 +86,14 @@ def test_pretrain_convert_and_generate(tmp_path, launch):
                           "convert.to=hf", f"convert.out={tmp_path}/hf")
     assert code == 0, err[-3000:]
     code, _, err = launch(tmp_path / "gen", "task=generate", f"checkpoint.load={tmp_path}/pt/checkpoints",
-                          "generate.prompt=ROMEO:", "generate.max_new_tokens=12",
+                          "generate.prompt=ROMEO:", "generate.max_new_tokens=8",
                           f"generate.output={tmp_path}/out.jsonl")
     assert code == 0, err[-3000:]
     row = json.loads((tmp_path / "out.jsonl").read_text().splitlines()[0])
     tok = load_tokenizer(str(DEMO_TOKENIZER))
     hf = transformers_model(tmp_path / "hf")
-    assert type(hf).__name__ == "Qwen3_5MoeForCausalLM"
-    assert row["completion_ids"] == hf_greedy(hf, [tok.encode("ROMEO:", add_special_tokens=False)], 12,
+    assert type(hf).__name__ == "Qwen3_5ForCausalLM"
+    assert row["completion_ids"] == hf_greedy(hf, [tok.encode("ROMEO:", add_special_tokens=False)], 8,
                                               eos=stop_ids(tok))[0]
 
 
@@ -168,8 +168,8 @@ def test_dpo_step_one_is_log_two(dirs, tmp_path, launch):
                           "train.steps=2", "checkpoint.save_final=false")
     assert code == 0, err[-3000:]
     first, second = records(tmp_path / "run")
-    assert first["loss"] == pytest.approx(0.693147, abs=1e-5) and first["reward_margin"] == 0
-    assert second["reward_margin"] != 0
+    assert first["loss"] == pytest.approx(0.693147, abs=1e-5) and abs(first["reward_margin"]) <= 1e-5
+    assert abs(second["reward_margin"]) > 1e-3
 
 
 def test_grpo_moe_replays_the_rollout_routes(tmp_path, launch):
@@ -288,8 +288,6 @@ def test_plan_and_dryrun_agree_for_a_hybrid_model(tmp_path, launch):
     code, out, err = launch(tmp_path / "dry", "task=dryrun", "model=qwen3_5_moe_tiny", "parallel=fsdp2")
     assert code == 0, err[-3000:]
     assert "= task=plan's exact bytes" in out
-    code, _, err = launch(tmp_path / "tp", "task=dryrun", "model=qwen3_5_tiny", "parallel=tp2")
-    assert code == 2 and "trains under data parallelism" in err
 
     m = compose_config("model=qwen3_5_moe_tiny").model
     for length in (16, 32):
