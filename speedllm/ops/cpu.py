@@ -1,6 +1,7 @@
 """CPU ops: fused C kernels (cpu_kernels.c) for RMSNorm, SwiGLU and RoPE, forward and backward, and for the
 training loss's cross-entropy and logit gradient; training's causal attention in bf16 on batched GEMMs; a grouped
-matmul whose backward writes each expert's gradients in place; the reference ops for the rest.
+matmul whose backward writes each expert's gradients in place; the gated delta rule in chunks with an analytic
+backward (gated_delta_cpu); the reference ops for the rest.
 
 Each fused op does in one pass over memory what the reference does in several torch ops and temporaries, and
 saves less for backward: RMSNorm keeps its input and one fp32 rstd per row, SwiGLU its two inputs (the sigmoid is

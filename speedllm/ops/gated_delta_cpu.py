@@ -3,12 +3,12 @@ decode step of a few fused torch ops. Same math as speedllm.ops.gated_delta (the
 and docstring this module follows); fp32 arithmetic whatever the inputs' dtype (fp32 or bf16).
 
 Chunked form. Every document (a batch row, or a packed document of cu_seqlens) is cut into chunks of C tokens
-(the last one padded: no decay, no write). All chunks of all documents sit in one batch, so the per-chunk work
-(the UT transform, the intra-chunk attention, every gradient but the state's) is batched matmuls over
-[chunks, heads]; only the state passes from chunk to chunk, in a scan of two matmuls per step. The documents
-are sorted by length and the chunks laid out step-major (every document's chunk 0, then every chunk 1 of the
-documents that have one, ...), so step j reads one contiguous slice and the documents still running are a
-prefix of the state: packed documents run side by side, not one after another.
+(the last one padded: no decay, no write). The per-chunk work (the UT transform, the intra-chunk attention, every
+gradient but the state's) is batched matmuls over [chunks, heads], a block of chunks at a time (BLOCK); only the
+state passes from chunk to chunk, in a scan of two matmuls per step (four in backward). The documents are sorted
+by length and the chunks laid out step-major (every document's chunk 0, then every chunk 1 of the documents that
+have one, ...), so step j reads one contiguous slice and the documents still running are a prefix of the state:
+packed documents run side by side, not one after another.
 
 Per chunk, with b the cumulative log decay from the chunk's start, G = b at its end, h the state at its start,
 D_ij = exp(b_i - b_j) for i >= j (else 0), A = strictly_lower(beta_i (k_i . k_j) D_ij), T = (I + A)^-1:
@@ -20,12 +20,11 @@ D_ij = exp(b_i - b_j) for i >= j (else 0), A = strictly_lower(beta_i (k_i . k_j)
 
 Forward saves the inputs and the state at each chunk's start; backward recomputes the per-chunk quantities,
 runs the scan in reverse for the state's gradient (dh = exp(G) dh' + (exp(b) q)^T do - w^T dv_new), and the
-rest in batch, as flash-linear-attention's chunk_gated_delta_rule backward does. The inverse T comes from a C
+rest in batch, block by block in reverse, as flash-linear-attention's chunk_gated_delta_rule backward does. The inverse T comes from a C
 kernel (gated_delta_kernels.c); without a C compiler the reference twin runs.
 
 Letters (as speedllm.ops.gated_delta): B batch, S sequence, H value heads, Hk key heads, K key dim, V value
-dim, C chunk length; N documents, T tokens (B * S), M chunks of all documents, J scan steps (most chunks of a
-document).
+dim, C chunk length; N documents, T tokens (B * S), M chunks of all documents (m: of a block).
 """
 
 import ctypes
