@@ -277,7 +277,7 @@ def test_plan_and_dryrun_agree_for_a_hybrid_model(tmp_path, launch):
     Gated DeltaNet layer's share does not grow with the length."""
     from speedllm.config import compose_config
     from speedllm.generation.batching import new_slot_cache
-    from speedllm.planner.memory import cache_bytes
+    from speedllm.models.kv_cache import cache_bytes
 
     code, out, err = launch(tmp_path / "plan", "task=plan", "model=qwen3_next_80b_a3b", "hardware=h100",
                             "launcher.nproc_per_node=8", "train.seq_len=4096", "train.global_batch_size=64")
@@ -292,7 +292,7 @@ def test_plan_and_dryrun_agree_for_a_hybrid_model(tmp_path, launch):
     m = compose_config("model=qwen3_5_moe_tiny").model
     for length in (16, 32):
         cache = new_slot_cache(m, 3, length, torch.float32, "cpu")
-        assert cache_bytes(m, 3, length, "float32") == sum(t.nbytes for t in (cache.k, cache.v, cache.conv,
+        assert cache_bytes(m, 3, length, 4) == sum(t.nbytes for t in (cache.k, cache.v, cache.conv,
                                                                                cache.state))
     attention_kv = 2 * 1 * m.num_key_value_heads * m.head_dim * 4  # one attention layer, fp32, per token
-    assert cache_bytes(m, 1, 64, "float32") - cache_bytes(m, 1, 32, "float32") == 32 * attention_kv
+    assert cache_bytes(m, 1, 64, 4) - cache_bytes(m, 1, 32, 4) == 32 * attention_kv

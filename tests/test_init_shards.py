@@ -20,6 +20,7 @@ DENSE = ["model=qwen3_tiny", "model.hidden_size=64", "model.intermediate_size=96
          "model.head_dim=16", f"model.vocab_size={CHUNK_NUMEL // 64 + 4099}"]  # an embedding of two chunks
 MOE = ["model=qwen3_moe_tiny", "model.hidden_size=64", "model.moe_intermediate_size=32", "model.num_hidden_layers=2",
        "model.head_dim=16"]
+HYBRID = ["model=qwen3_5_moe_tiny", "model.hidden_size=64", "model.num_hidden_layers=4"]  # A_log: 1 row per rank
 LAYOUTS = {  # name: (model, parallel overrides), 4 ranks each
     "fsdp4": (DENSE, ["parallel.dp=4"]),
     "fsdp2_tp2": (DENSE, ["parallel=fsdp2_tp2"]),
@@ -27,6 +28,7 @@ LAYOUTS = {  # name: (model, parallel overrides), 4 ranks each
     "pp2_vpp2_dp2": (DENSE, ["parallel=pp2_vpp2", "parallel.dp=2"]),
     "fsdp4_ep2": (MOE, ["parallel.dp=4", "parallel.ep=2"]),
     "fsdp2_tp2_moe": (MOE, ["parallel=fsdp2_tp2"]),
+    "fsdp4_hybrid": (HYBRID, ["parallel.dp=4"]),
 }
 
 

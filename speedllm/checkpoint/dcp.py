@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from speedllm import storage
 from speedllm.errors import UserError, one_line, reading
+from speedllm.models.config import ModelConfig
 from speedllm.outputs import MARKER, make_scratch_dir, remove_ours
 
 LATEST = "latest"
@@ -401,6 +402,8 @@ def read_saved_config(step_dir) -> DictConfig:
     if not isinstance(saved, DictConfig) or not isinstance(saved.get("model"), DictConfig):
         raise UserError(f"{frozen} is not a SpeedLLM run config (no model section); copy the run directory's "
                         "config.yaml over it, or point checkpoint.load at another checkpoint")
+    # a checkpoint saved before a model field existed has that field's default (e.g. no layer_types: Qwen3)
+    saved.model = OmegaConf.merge(OmegaConf.structured(ModelConfig), saved.model)
     return saved
 
 

@@ -368,7 +368,13 @@ def source_names(source: Path) -> HFNames:
     """How HF directory `source` (or a converted checkpoint's `hf/` copy of its files) names the text model."""
     if (source / NAMES_FILE).is_file():
         return HFNames(**json.loads((source / NAMES_FILE).read_text()))
-    return hf_names_of(weight_files(str(source)))
+    if has_weights(source):
+        return hf_names_of(weight_files(str(source)))
+    return HFNames()  # a checkpoint converted before the naming was kept: a Qwen3 causal LM's
+
+
+def has_weights(path: Path) -> bool:
+    return any(path.glob("*.safetensors"))
 
 
 def read_extras(source: str, files: Optional[Dict[str, Path]] = None) -> Dict[str, torch.Tensor]:
@@ -440,8 +446,7 @@ def write_hf_dir(out: str, model_cfg, tensors: Dict[str, Tuple[tuple, torch.dtyp
     keep = _describes(model_cfg, source_path)
     names = source_names(source_path) if keep else HFNames()
     if extras is None:
-        extras = read_extras(source) if keep and any(f.suffix == ".safetensors" for f in source_path.iterdir()) \
-            else {}
+        extras = read_extras(source) if keep and has_weights(source_path) else {}
     tmp = make_scratch_dir(out_path.parent / f".{out_path.name}.tmp", "convert.out")
     if model_cfg.tie_word_embeddings:
         tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}

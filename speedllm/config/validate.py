@@ -16,6 +16,7 @@ from speedllm.errors import UserError
 from speedllm.generation.sampling import MIN_TEMPERATURE
 from speedllm.hardware import AUTO, DTYPES
 from speedllm.models.config import PROJECTIONS
+from speedllm.models.qwen3 import is_moe_layer
 from speedllm.native import isa
 from speedllm.ops import IMPLEMENTATIONS
 from speedllm.parallel.rules import (
@@ -85,14 +86,39 @@ def _finite(v) -> bool:
     return all(math.isfinite(x) for x in (v if isinstance(v, list) else [v]))
 
 
+def hybrid_model_errors(m) -> list:
+    """What keeps model `m`'s layer kinds from being built: its dense MLP width, layer_types and Gated DeltaNet heads."""
+    errors = []
+    if m.intermediate_size < 1 and not all(is_moe_layer(m, i) for i in range(m.num_hidden_layers)):
+        errors.append(f"model.intermediate_size={m.intermediate_size} must be >= 1: model {m.name} has dense MLP "
+                      "layers; set model.intermediate_size")
+    kinds = ("full_attention", "linear_attention")
+    if m.layer_types and (len(m.layer_types) != m.num_hidden_layers or not set(m.layer_types) <= set(kinds)):
+        errors.append(f"model.layer_types must list {m.num_hidden_layers} entries (num_hidden_layers), each one of "
+                      f"{', '.join(kinds)}; fix model.layer_types (or leave it empty: all full_attention)")
+    elif "linear_attention" in m.layer_types:
+        dims = (m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim,
+                m.linear_conv_kernel_dim)
+        if min(dims) < 1 or m.linear_num_value_heads % m.linear_num_key_heads:
+            errors.append("model.linear_num_key_heads, linear_num_value_heads, linear_key_head_dim, "
+                          "linear_value_head_dim and linear_conv_kernel_dim must be >= 1, the key heads dividing the "
+                          f"value heads (now {', '.join(map(str, dims))}); fix them")
+    rotary = int(m.head_dim * m.partial_rotary_factor)
+    if not 0 < m.partial_rotary_factor <= 1 or rotary % 2:
+        errors.append(f"model.partial_rotary_factor={m.partial_rotary_factor} must be in (0, 1] and give an even "
+                      f"number of rotary dims of head_dim={m.head_dim} (now {rotary}); fix it")
+    return errors
+
+
 # key -> (test, what it must be): values a library would reject later, or that would silently do nothing.
 VALUE_RULES = {
-    **{f"model.{k}": _at_least(1) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                                            "num_key_value_heads", "head_dim", "max_position_embeddings")},
+    **{f"model.{k}": _at_least(1) for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                            "num_attention_heads", "num_key_value_heads", "head_dim",
+                                            "max_position_embeddings")},
+    "model.intermediate_size": _at_least(0),  # 0: no dense MLP (every layer MoE); checked with the layers below
     "model.rope_theta": _above(0),
     "model.rms_norm_eps": _above(0),
     "model.num_experts": _at_least(0),
-    "model.intermediate_size": _at_least(0),  # 0: no dense MLP layer (checked with the MoE keys below)
     **{f"train.{k}": _at_least(1) for k in ("steps", "seq_len", "micro_batch_size", "global_batch_size", "log_every",
                                             "eval_steps", "max_bad_steps")},
     # loss_chunk_size 0: chunks by the logits budget (speedllm.ops.loss.chunk_rows)
@@ -226,9 +252,8 @@ def check_values(cfg: DictConfig) -> None:
     if m.num_experts > 0 and not (1 <= m.num_experts_per_tok <= m.num_experts and m.moe_intermediate_size >= 1):
         raise UserError(f"model.num_experts={m.num_experts} needs model.num_experts_per_tok in [1, {m.num_experts}] "
                         f"and model.moe_intermediate_size >= 1 (now {m.num_experts_per_tok}, {m.moe_intermediate_size})")
-    if m.intermediate_size < 1 and (not m.num_experts or m.mlp_only_layers or m.decoder_sparse_step != 1):
-        raise UserError(f"model.intermediate_size={m.intermediate_size} must be >= 1: model {m.name} has dense MLP "
-                        "layers; set model.intermediate_size to their width")
+    for error in hybrid_model_errors(m):
+        raise UserError(error)
     if not cfg.task.inference:  # before parallel=auto plans: the positions bound every layout alike
         for error in sequence_errors(m, cfg.train.seq_len, tp=1, cp=1, sequence_parallel=False):
             raise UserError(error)

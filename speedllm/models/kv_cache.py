@@ -47,6 +47,16 @@ def cache_shape(cfg, tp: int = 1) -> CacheShape:
         linear_key_dim=cfg.linear_key_head_dim, linear_value_dim=cfg.linear_value_head_dim)
 
 
+def cache_bytes(cfg, rows: int, max_seq_len: int, itemsize: int, tp: int = 1) -> float:
+    """Bytes of a cache for `rows` sequences of up to `max_seq_len` tokens in a dtype of `itemsize` bytes: K/V of
+    the attention layers, which grow with the length, and the GDN layers' conv inputs and fp32 states, which do not."""
+    shape = cache_shape(cfg, tp)
+    kv = 2 * len(shape.attention_layers) * shape.num_kv_heads * max_seq_len * shape.head_dim * itemsize
+    conv = len(shape.linear_layers) * shape.conv_channels * shape.conv_len * itemsize
+    state = len(shape.linear_layers) * shape.linear_heads * shape.linear_key_dim * shape.linear_value_dim * 4
+    return rows * (kv + conv + state)
+
+
 class _States:
     """Keys/values [attention layers, rows, kv heads, max_seq_len, head_dim], and per GDN layer the conv inputs
     [rows, channels, conv_len] (activation dtype) and the rule state [rows, heads, key dim, value dim] (fp32)."""
@@ -73,12 +83,6 @@ class _States:
         i = self.slot[layer_id]
         self.conv[i, self.lo:self.hi] = conv_BCW
         self.state[i, self.lo:self.hi] = state_BHKV
-
-    def _copy_row(self, src: int, dst: int, length: int) -> None:
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
-        self.conv[:, dst] = self.conv[:, src]
-        self.state[:, dst] = self.state[:, src]
 
 
 class KVCache(_States):
@@ -160,5 +164,8 @@ class SlotCache(_States):
     def move(self, src: int, dst: int) -> None:
         """Row src's sequence becomes row dst's."""
         n = self.lengths[src]
-        self._copy_row(src, dst, n)
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.conv[:, dst] = self.conv[:, src]
+        self.state[:, dst] = self.state[:, src]
         self.lengths[dst], self.lengths[src] = n, 0

@@ -26,6 +26,7 @@ from torch import nn
 
 from speedllm.hardware import DTYPES
 from speedllm.models.config import PROJECTIONS
+from speedllm.models.kv_cache import cache_bytes
 from speedllm.ops.loss import chunk_rows
 from speedllm.parallel.fsdp import expert_shard_dim
 from speedllm.parallel.pipeline import stages_of_rank
@@ -637,24 +638,11 @@ def teacher_bytes(teacher_cfg, layout: Layout, dtype: str, gathered: bool = True
     return sp.sharded * MASTER_BYTES + root - saved
 
 
-def cache_bytes(m, rows: int, seq_len: int, dtype: str, tp: int = 1) -> float:
-    """Bytes of an inference cache (speedllm.models.kv_cache) for `rows` sequences of up to `seq_len` tokens on
-    one tensor-parallel rank: keys and values of the attention layers in `dtype`, growing with `seq_len`, and per
-    Gated DeltaNet layer its conv inputs (`dtype`) and fp32 rule state, which do not."""
-    from speedllm.models.kv_cache import cache_shape
-
-    c, e = cache_shape(m, tp), DTYPES[dtype].itemsize
-    kv = 2 * len(c.attention_layers) * c.num_kv_heads * seq_len * c.head_dim * e
-    state = len(c.linear_layers) * (c.conv_channels * c.conv_len * e
-                                    + c.linear_heads * c.linear_key_dim * c.linear_value_dim * 4)
-    return rows * (kv + state)
-
-
 def rollout_cache_bytes(m, layout: Layout, rows: int, seq_len: int, dtype: str) -> float:
-    """task=grpo: a rank's cache while it samples: its data-parallel share of `rows` completions (prompts per
-    step x group size), each up to `seq_len` tokens (prompt and completion), its tensor-parallel share of the
-    heads (cache_bytes; speedllm.generation.engine.new_cache)."""
-    return cache_bytes(m, math.ceil(rows / layout.dp), seq_len, dtype, layout.tp)
+    """task=grpo: a rank's KV cache while it samples: its data-parallel share of `rows` completions (prompts per
+    step x group size), each up to `seq_len` tokens (prompt and completion), its tensor-parallel share of the kv
+    heads, every layer's state (K/V, or a GDN layer's), in `dtype` (speedllm.generation.engine.new_cache)."""
+    return cache_bytes(m, math.ceil(rows / layout.dp), seq_len, DTYPES[dtype].itemsize, layout.tp)
 
 
 def inference_weight_bytes(model_cfg, quant, dtype: str, tp: int = 1) -> Tuple[float, float]:

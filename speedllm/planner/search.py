@@ -17,6 +17,7 @@ from typing import Dict, List, Optional
 from omegaconf import OmegaConf
 
 from speedllm.hardware import DTYPES
+from speedllm.models.kv_cache import cache_bytes
 from speedllm.parallel.rules import (
     batch_errors,
     distill_layout_errors,
@@ -243,8 +244,7 @@ class Planner:
                 continue
             split = self.split(layout)
             sp = max(self.rank_params(layout, split), key=lambda s: s.gathered)
-            layers = max(split)
-            kv_cache = 2 * layers * m.num_key_value_heads // tp * m.head_dim * batch * length * e
+            kv_cache = cache_bytes(m, batch, length, e, tp)
             logits = batch * length * m.vocab_size / tp * 4
             memory = Memory(params=sp.gathered * e, activations=kv_cache + logits)
             if memory.total <= p.capacity:

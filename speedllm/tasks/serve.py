@@ -31,9 +31,8 @@ from speedllm.generation.batching import Batcher, QueueFull, Request, new_slot_c
 from speedllm.generation.engine import Detokenizer
 from speedllm.generation.load import DTYPES, load_model
 from speedllm.generation.sampling import Sampling
-from speedllm.models.kv_cache import cache_shape
+from speedllm.models.kv_cache import cache_bytes, cache_shape
 from speedllm.models.rope import max_positions
-from speedllm.planner.memory import cache_bytes
 from speedllm.runtime import Runtime
 
 
@@ -412,7 +411,7 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
                             http=with_read_deadline(s.read_timeout), timeout_graceful_shutdown=2)
     http = uvicorn.Server(config)
     # the slot cache: K/V of the attention layers for max_len tokens a row, a Gated DeltaNet layer's state constant
-    shape, cache = cache_shape(cfg.model, tp), cache_bytes(cfg.model, s.max_batch, max_len, cfg.hardware.dtype, tp)
+    shape, cache = cache_shape(cfg.model, tp), cache_bytes(cfg.model, s.max_batch, max_len, dtype.itemsize, tp)
     state = f" + state of {len(shape.linear_layers)} Gated DeltaNet layers" if shape.linear_layers else ""
     print(f"serving {server.model_id} on http://{s.host}:{s.port}/v1 (max_batch {s.max_batch}, "
           f"{max_len} tokens per request; cache {cache / 2**20:.1f} MiB: K/V of {len(shape.attention_layers)} "
