@@ -23,6 +23,7 @@ HEADERS = {
     "generate": "| metric | transformers | speedllm | ratio | same ids |",
     "gpu": "| decode | qwen3_0.6b, float32, batch 8",
     "grpo": "ours / trl: steps/s",
+    "hybrid": "| dtype | params | transformers tokens/s | ours tokens/s | ratio |",
     "init": "peak RSS MiB",
     "model": "ours/transformers: tokens/s",
     "muon": "| optimizer | peak lr | valid loss @ 2 |",
@@ -40,7 +41,7 @@ HEADERS = {
     "varlen": "| path | step CPU s (median) | peak tensor MiB |",
 }
 # several processes (spawned ranks, launch.py runs, a server) or a minute and more on a 2-core CPU
-SLOW = {"cp_memory", "distill_memory", "fsdp_memory", "gpu", "grpo", "init", "muon", "peer", "planner", "qat_vs_ptq",
+SLOW = {"cp_memory", "distill_memory", "fsdp_memory", "gpu", "grpo", "hybrid", "init", "muon", "peer", "planner", "qat_vs_ptq",
         "qlora", "quant_memory", "quant_quality", "quant_tp", "serve", "train"}
 # optional dependencies (the `test` extras have them all): without one, its benchmarks are skipped
 NEEDS = {"grpo": "trl", "qat_vs_ptq": "torchao", "qlora": "torchao", "quant": "torchao", "quant_memory": "torchao",

@@ -8,8 +8,9 @@ tests are collected, so a page another change adds is tested without touching th
 
 Placeholders in angle brackets stand for files the reader has; the test makes them (tiny, once per session):
 `<run>` a pretraining run dir (its checkpoints under `<run>/checkpoints`), `<lora run>` a LoRA SFT run on `<HF dir>`,
-`<HF dir>` a tiny Qwen3 saved by transformers with the demo tokenizer, `<PEFT dir>` that LoRA run's PEFT export,
-`<tokenizer dir>` the demo tokenizer, `<out dir>` a fresh folder for outputs. Relative input files the docs name
+`<HF dir>` a tiny Qwen3 saved by transformers with the demo tokenizer (`<Qwen3-MoE dir>`, `<Qwen3.5 dir>`: a tiny
+Qwen3-MoE, a tiny Qwen3.5 of two Gated DeltaNet layers and a gated attention one), `<PEFT dir>` that LoRA run's PEFT
+export, `<tokenizer dir>` the demo tokenizer, `<out dir>` a fresh folder for outputs. Relative input files the docs name
 (`pairs.jsonl`, `prompts.jsonl`, `corpus/*.jsonl`, `data/{corpus,web,books}`, `my_tasks/`) lie in the folder the
 commands run from (each command gets its own copy). A placeholder not in this list fails the test: make it in `_substitute`.
 
@@ -145,6 +146,7 @@ def _make_artifacts(base: Path, save_tiny_hf, launch_py) -> None:
                  hidden_size=128, intermediate_size=256, head_dim=32)
     save_tiny_hf(base / "hf_moe", seed=3, vocab_size=len(load_tokenizer(str(DEMO_TOKENIZER))), num_experts=4,
                  num_experts_per_tok=2, moe_intermediate_size=64)
+    _save_qwen3_5(base / "hf_qwen3_5")
     _launch(work, f"hydra.run.dir={base / 'run'}", *TRAIN_CHEAP)
     _launch(work, "task=sft", "model=hf", f"checkpoint.load_hf={base / 'hf'}", "finetune=lora",
             f"hydra.run.dir={base / 'lora_run'}", *TRAIN_CHEAP)
@@ -185,9 +187,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _save_qwen3_5(path: Path) -> None:
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                               layer_types=["linear_attention", "linear_attention", "full_attention"],
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_num_key_heads=2,
+                               linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+    Qwen3_5ForCausalLM(config).save_pretrained(path)
+    for file in DEMO_TOKENIZER.iterdir():
+        shutil.copy(file, path / file.name)
+
+
 def _substitute(command: str, artifacts: Path, tmp_path: Path) -> str:
     paths = {"<run>": tmp_path / "run", "<lora run>": tmp_path / "lora_run", "<HF dir>": artifacts / "hf",
-             "<Qwen3-MoE dir>": artifacts / "hf_moe",
+             "<Qwen3-MoE dir>": artifacts / "hf_moe", "<Qwen3.5 dir>": artifacts / "hf_qwen3_5",
              "<PEFT dir>": artifacts / "peft", "<tokenizer dir>": DEMO_TOKENIZER, "<out dir>": tmp_path / "out"}
     unknown = set(re.findall(r"<[^<>]+>", command)) - set(paths)
     assert not unknown, f"placeholders {sorted(unknown)} are not made by this test: make them in _substitute"

@@ -432,23 +432,27 @@ def check_distill(cfg: DictConfig) -> None:
 def check_qlora(cfg: DictConfig) -> None:
     """finetune=qlora: the NF4 base is sharded by FSDP2 (dim 0) or held whole in one process; every NF4 weight,
     and each rank's rows of it, must be whole double-quantization blocks (speedllm.quant.nf4)."""
+    import torch
+
+    from speedllm.adapters.lora import target_linears
+    from speedllm.models.qwen3 import Qwen3
     from speedllm.quant.nf4 import NF4_BLOCK, NF4_SCALER_BLOCK
 
     p, m, ft = cfg.parallel, cfg.model, cfg.finetune
     for error in qlora_layout_errors(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, dp=p.dp, fsdp=p.fsdp, name=p.name):
         raise UserError(error)
-    q, kv, d, i = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim, m.hidden_size, \
-        m.intermediate_size
-    shapes = {"q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q)}
-    if not m.num_experts or m.mlp_only_layers or m.decoder_sparse_step != 1:  # dense MLP layers
-        shapes.update(gate_proj=(i, d), up_proj=(i, d), down_proj=(d, i))
+    # the shapes of the linears LoRA adapts, from the meta model (experts are not linears: they stay in full
+    # precision); one per name, as the layers of one kind repeat them
+    with torch.device("meta"):
+        model = Qwen3(m)
+    shapes = {name.rsplit(".", 1)[-1]: tuple(linear.weight.shape)
+              for name, linear in target_linears(model, ft.targets).items()}
     block = NF4_BLOCK * NF4_SCALER_BLOCK
-    for target in (t for t in ft.targets if t in shapes):  # experts stay in full precision
-        rows, cols = shapes[target]
+    for target, (rows, cols) in shapes.items():
         if rows * cols % (block * p.dp) or rows % p.dp:
             raise UserError(f"finetune=qlora: {target}.weight [{rows}, {cols}] does not split into whole NF4 blocks "
-                            f"of {block} weights on each of {p.dp} rank(s); use finetune=lora for model {m.name}"
-                            + (" (or fewer data-parallel ranks)" if p.dp > 1 else ""))
+                            f"of {block} weights on each of {p.dp} rank(s); leave {target} out of finetune.targets or use "
+                            f"finetune=lora for model {m.name}" + (" (or fewer data-parallel ranks)" if p.dp > 1 else ""))
 
 
 def check_inference(cfg: DictConfig) -> None:

@@ -6,9 +6,11 @@ from typing import Any, List
 
 from omegaconf import MISSING
 
-# The linear projections of a Qwen3 layer (attention, dense MLP), by the last part of their names: what LoRA
-# adapts and quantization applies to (PEFT's target_modules, HF's weight names)
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The linear projections of a layer (attention, Gated DeltaNet — Qwen3.5's split and Qwen3-Next's fused inputs —
+# and the dense MLP or shared expert), by the last part of their names: what LoRA adapts and quantization applies
+# to (PEFT's target_modules, HF's weight names)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+               "in_proj_qkvz", "in_proj_ba", "out_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass

@@ -60,6 +60,7 @@ class ModelTensors:
     head: Tuple[Tensor, ...]  # last stage: final norm, and lm_head unless tied
     tied: bool
     moe_layers: Tuple[bool, ...]
+    linear_layers: Tuple[bool, ...]  # Gated DeltaNet mixers (hybrid models)
 
 
 def config_key(model_cfg) -> tuple:
@@ -152,7 +153,9 @@ def _model_tensors(key: tuple) -> ModelTensors:
             kinds.append(params)
         layer_kind.append(kinds.index(params))
     moe = tuple(layer.is_moe for layer in model.layers.values())
-    return ModelTensors(tuple(kinds), tuple(layer_kind), tuple(embed), tuple(head), cfg.tie_word_embeddings, moe)
+    linear = tuple(layer.is_linear for layer in model.layers.values())
+    return ModelTensors(tuple(kinds), tuple(layer_kind), tuple(embed), tuple(head), cfg.tie_word_embeddings, moe,
+                        linear)
 
 
 def _chunk(n: int, k: int) -> int:
@@ -233,6 +236,8 @@ class StageParams:
     muon_flops: int = 0  # of one Newton-Schulz iteration over every Muon matrix of this rank
     layers: int = 0
     moe_layers: int = 0
+    # layers by (Gated DeltaNet mixer, MoE MLP): what their activations depend on
+    layer_mix: Dict[Tuple[bool, bool], int] = field(default_factory=dict)
     has_embed: bool = False
     has_head: bool = False
     per_stage_layers: List[int] = field(default_factory=list)
@@ -272,6 +277,8 @@ def rank_params(mt: ModelTensors, layout: Layout, layer_split: List[int], pp_ran
             sp.muon_flops += flops
             sp.layers += 1
             sp.moe_layers += mt.moe_layers[layer]
+            mix = (mt.linear_layers[layer], mt.moe_layers[layer])
+            sp.layer_mix[mix] = sp.layer_mix.get(mix, 0) + 1
         root = []
         if stage == 0:
             root += mt.embed
@@ -386,13 +393,30 @@ def saved_bytes_per_element(ops: str, e: int) -> Tuple[int, int, int]:
     return 4 + e, 0, 4 * e
 
 
+def gdn_activation_bytes(m, e: int, norm_b: int) -> float:
+    """Bytes a Gated DeltaNet mixer saves per token for backward (no recompute; speedllm.models.gated_deltanet,
+    the chunked gated delta rule of speedllm.ops): the projections' outputs (q, k, v channels C, z, a, b), the
+    conv's padded input and pre-SiLU output and its SiLU output (the rule's input), the fp32 decay and beta, the
+    rule's per-token fp32 work (its UT-transformed keys and values) and its state at each 64-token chunk start,
+    the gated norm's fp32 output, gate and product, and out_proj's input. An estimate from the code, not yet held
+    against a measurement (tests/test_planner.py measures the attention layer)."""
+    hk, hv, k, v = m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim
+    c, vd = 2 * hk * k + hv * v, hv * v
+    proj = e * (c + vd + 2 * hv)
+    conv = 3 * e * c
+    rule = 4 * 2 * hv + 4 * hv * (k + v) + 4 * hv * k * v / 64
+    gate = norm_b * vd + 3 * 4 * vd + e * vd
+    return proj + conv + rule + gate
+
+
 def layer_activation_bytes(m, layout: Layout, seq_len: int, dtype_bytes: int, moe: bool, tp_dims,
-                           ops: str = "reference") -> float:
+                           ops: str = "reference", linear: bool = False) -> float:
     """Bytes one decoder layer saves for backward for one micro-batch, by recompute policy.
 
     Args:
         tp_dims: whether the TP plan splits (the MLP width, the experts' width, the vocabulary).
         ops: the hardware profile's op set (what the fused kernels keep differs, see saved_bytes_per_element).
+        linear: a Gated DeltaNet mixer instead of attention (hybrid models, which run without tp, cp or sp).
     """
     e, tp = dtype_bytes, layout.tp
     sp = tp if layout.sequence_parallel else 1
@@ -405,9 +429,14 @@ def layer_activation_bytes(m, layout: Layout, seq_len: int, dtype_bytes: int, mo
     i_mlp = m.intermediate_size / (tp if tp_dims[0] else 1)
     if layout.recompute == "full":
         return n * h * e / sp  # the layer input; the rest is rebuilt in backward
+    gate = m.attention_output_gate  # q_proj also yields a gate per query: sigmoid(gate) * attention's output
     if layout.recompute == "selective":
         # the layer input and the outputs of matmuls and attention (see speedllm/parallel/parallelize.py)
-        attn = e * h / sp + e * (q + 2 * kv) + e * q + lse + e * h / sp
+        attn = e * h / sp + e * (q * (2 if gate else 1) + 2 * kv) + e * q + lse + e * h / sp
+        if linear:  # the input and the matmuls' outputs: projections, and out_proj's input
+            vd = m.linear_num_value_heads * m.linear_value_head_dim
+            attn = 2 * e * h + e * (2 * m.linear_num_key_heads * m.linear_key_head_dim + 2 * vd
+                                    + 2 * m.linear_num_value_heads) + e * vd
         # a MoE block under sequence parallel routes only this rank's share of the tokens
         mlp = e * (m.num_experts + k_top * (2 * i_moe + h)) / sp if moe else e * (2 * i_mlp + h / sp)
         return n * (attn + mlp)
@@ -418,6 +447,10 @@ def layer_activation_bytes(m, layout: Layout, seq_len: int, dtype_bytes: int, mo
     # q and k: the projection and normed heads (kept by their RMSNorm), RoPE's input, the rotated heads (kept
     # by attention); v; attention's output and the contiguous copy fed to o_proj
     attn = (norm_b + rope_b) * (q + kv) + e * q + attention_keys_bytes(m, layout, e) + 2 * e * q + lse
+    if gate:  # the gate, its sigmoid and the product's other input
+        attn += 3 * e * q
+    if linear:  # instead of attention
+        attn = gdn_activation_bytes(m, e, norm_b)
     if moe:
         router = 4 * m.num_experts  # fp32 router probabilities
         # rows sorted by expert, expert outputs; of this rank's share of the tokens under sequence parallel
@@ -536,16 +569,16 @@ def rank_memory(m, layout: Layout, sp: StageParams, pp_rank: int, seq_len: int,
             mem.grad_accum = mem.grads
     flight = in_flight(layout, pp_rank, num_micro)
     max_stage_layers = max(sp.per_stage_layers)
-    dense_layers = sp.layers - sp.moe_layers
     full = Layout(**{**layout.__dict__, "recompute": "none"})
-    act = {moe: layer_activation_bytes(m, layout, seq_len, e, moe, tp_dims, ops) for moe in (False, True)}
-    act_full = {moe: layer_activation_bytes(m, full, seq_len, e, moe, tp_dims, ops) for moe in (False, True)}
+    act = {(linear, moe): layer_activation_bytes(m, layout, seq_len, e, moe, tp_dims, ops, linear)
+           for linear, moe in sp.layer_mix}
+    act_full = {(linear, moe): layer_activation_bytes(m, full, seq_len, e, moe, tp_dims, ops, linear)
+                for linear, moe in sp.layer_mix}
     # average layer of this rank times the layers of its largest stage
-    avg = (dense_layers * act[False] + sp.moe_layers * act[True]) / sp.layers
+    avg = sum(count * act[mix] for mix, count in sp.layer_mix.items()) / sp.layers
     per_stage_act = avg * max_stage_layers
     # a recomputed layer is rebuilt whole in backward; the loss's chunk logits live only inside its forward
-    working = 0.0 if layout.recompute == "none" else max(act_full[True] if sp.moe_layers else 0.0,
-                                                        act_full[False] if dense_layers else 0.0)
+    working = 0.0 if layout.recompute == "none" else max(act_full.values(), default=0.0)
     head = 0.0
     transient = 0.0
     if sp.has_head:

@@ -31,6 +31,7 @@ from speedllm.generation.batching import Batcher, QueueFull, Request, new_slot_c
 from speedllm.generation.engine import Detokenizer
 from speedllm.generation.load import DTYPES, load_model
 from speedllm.generation.sampling import Sampling
+from speedllm.models.kv_cache import cache_bytes, cache_shape
 from speedllm.models.rope import max_positions
 from speedllm.runtime import Runtime
 
@@ -409,8 +410,12 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
     config = uvicorn.Config(build_app(server, s.max_body_bytes), host=s.host, port=s.port, log_level="warning",
                             http=with_read_deadline(s.read_timeout), timeout_graceful_shutdown=2)
     http = uvicorn.Server(config)
+    # the slot cache: K/V of the attention layers for max_len tokens a row, a Gated DeltaNet layer's state constant
+    shape, cache = cache_shape(cfg.model, tp), cache_bytes(cfg.model, s.max_batch, max_len, dtype.itemsize, tp)
+    state = f" + state of {len(shape.linear_layers)} Gated DeltaNet layers" if shape.linear_layers else ""
     print(f"serving {server.model_id} on http://{s.host}:{s.port}/v1 (max_batch {s.max_batch}, "
-          f"{max_len} tokens per request)", flush=True)
+          f"{max_len} tokens per request; cache {cache / 2**20:.1f} MiB: K/V of {len(shape.attention_layers)} "
+          f"attention layers{state})", flush=True)
     stop = threading.Event()
     http_thread = threading.Thread(target=http.run, name="http")
     with handle_signals(stop.set):
