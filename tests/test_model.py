@@ -5,9 +5,10 @@ import json
 
 import pytest
 import torch
+import transformers
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM
 
 from speedllm.models import KVCache, Qwen3, num_params
 from speedllm.models.kv_cache import cache_shape
@@ -151,9 +152,10 @@ def model_sizes():
 @pytest.mark.parametrize("path", model_sizes(), ids=lambda p: p.stem)
 def test_param_count_matches_transformers_on_meta(path):
     cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(path))
+    config = hf_config(cfg)
     with torch.device("meta"):
         ours = Qwen3(cfg)
-        hf = (Qwen3MoeForCausalLM if cfg.num_experts else Qwen3ForCausalLM)(hf_config(cfg))
+        hf = getattr(transformers, config.architectures[0])(config)  # Qwen3, Qwen3-MoE, Qwen3.5, Qwen3-Next
     hf_total = sum(p.numel() for p in hf.parameters())  # transformers' parameters() skips the tied copy
     assert num_params(ours) == hf_total
     if cfg.num_experts:
