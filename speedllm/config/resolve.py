@@ -175,6 +175,8 @@ def from_another_task(cfg: DictConfig) -> bool:
     ck = cfg.checkpoint
     if cfg.task.in_process or ck.load_hf is not None or ck.load is None:
         return False
+    if storage.is_url(ck.load):  # a server that does not answer fails here in seconds, not at resolve_load's pace
+        storage.check("checkpoint.load", ck.load, must_exist=True)
     try:
         path = resolve_load(ck.load, ck.dir)
     except UserError:  # no checkpoint there: validation names the key and the fix
