@@ -13,7 +13,7 @@ decode  batch-1 greedy decode of the same model: our engine (chunked prefill, th
         Target: >= 2x.
 length  our forward+backward of a stack of Gated DeltaNet layers only (4 x 512 wide, batch 1) at each length:
         the step time at the longest length over the shortest (linear cost: 4x from 2048 to 8192; target <= 4.5x).
---dry: two layers 128 wide, one step, 4 new tokens, lengths 64 and 256.
+--dry: two layers 128 wide, float32, one step, 4 new tokens, lengths 64 and 256.
 """
 
 import argparse
@@ -137,7 +137,7 @@ def main(argv=None) -> None:
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["float32", "bfloat16"])
     parser.add_argument("--lengths", nargs="+", type=int, default=[2048, 8192])
     parser.add_argument("--memory-child", choices=["ours", "transformers"], help=argparse.SUPPRESS)
-    args = parse(parser, argv, steps=1, repeats=1, new_tokens=4, lengths=[64, 256])
+    args = parse(parser, argv, steps=1, repeats=1, new_tokens=4, lengths=[64, 256], dtypes=["float32"])
     if args.memory_child:
         memory_child(args.memory_child, args.dry, args.dtypes[0])
         return
