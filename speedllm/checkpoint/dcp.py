@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from speedllm import storage
+from speedllm.checkpoint.hf import write_release
 from speedllm.errors import UserError, one_line, reading
 from speedllm.models.config import ModelConfig
 from speedllm.outputs import MARKER, make_scratch_dir, remove_ours
@@ -289,15 +290,17 @@ def _with_retries(what: str, attempt, group=None, every_rank: bool = True) -> No
         time.sleep(n)
 
 
-def _write(tmp, state: Dict[str, Any], extra: bytes, config: str, group) -> None:
+def _write(tmp, state: Dict[str, Any], extra: bytes, config: str, group, release_from=None) -> None:
     """Every rank writes its files of one checkpoint into `tmp`: DCP's model + optimizer, its `extra`, and on
-    rank 0 the frozen config; retried together (see _with_retries)."""
+    rank 0 the frozen config and the release files of `release_from` (checkpoint.hf.write_release); retried
+    together (see _with_retries)."""
     def attempt() -> None:
         with storage.open_file(storage.join(tmp, f"extra_rank{_rank()}.pt"), "wb") as f:
             f.write(extra)
         if _rank() == 0:
             with storage.open_file(storage.join(tmp, "config.yaml"), "w") as f:
                 f.write(config)
+            write_release(release_from, tmp)
         with _quiet_dcp():
             dcp.save(state, storage_writer=_writer(tmp), process_group=group, no_dist=not dist.is_initialized())
 
@@ -332,7 +335,7 @@ def _publish(root, tmp, final, keep: int, run_dir: str) -> None:
 
 
 def save_checkpoint(root, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    extra: Dict[str, Any], cfg: DictConfig, keep: int, group=None) -> Path:
+                    extra: Dict[str, Any], cfg: DictConfig, keep: int, group=None, release_from=None) -> Path:
     """Write checkpoint `step` on every rank, then publish it as `latest` and keep the newest `keep`.
 
     Args:
@@ -340,10 +343,11 @@ def save_checkpoint(root, step: int, model: nn.Module, optimizer: torch.optim.Op
         extra: this rank's small state (step, scheduler, loader, RNG) saved with torch.save.
         keep: number of finished checkpoints to keep; <= 0 keeps all.
         group: the process group of DCP's collectives (None: the default one).
+        release_from: the checkpoint or HF directory whose release files (config, vision tower, MTP) this one keeps.
     """
     final, tmp = _start(root, step)
     model_sd, optim_sd, _ = _trained_state(model, optimizer)
-    _write(tmp, {"model": model_sd, "optim": optim_sd}, *_small(extra, cfg), group)
+    _write(tmp, {"model": model_sd, "optim": optim_sd}, *_small(extra, cfg), group, release_from)
     _barrier()
     if _rank() == 0:
         _publish(root, tmp, final, keep, getattr(cfg, "run_dir", "."))
@@ -362,8 +366,11 @@ class Checkpointer:
     agreement, the barrier) use their own gloo process group, apart from training's.
     """
 
-    def __init__(self, root: str, keep: int, async_save: bool):
+    def __init__(self, root: str, keep: int, async_save: bool, release_from: Optional[str] = None):
         self.root, self.keep, self.async_save = storage.location(root), keep, async_save
+        # a release's tensors beside the text model travel from checkpoint to checkpoint: copied from where the
+        # run started, then from its own newest checkpoint (the start may be pruned by `keep`)
+        self.release_from = release_from
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         if async_save and not dist.is_initialized():
             # DCP warns from its writer thread that it saves without a process group: intended here
@@ -378,7 +385,10 @@ class Checkpointer:
         """Save checkpoint `step` (see save_checkpoint); async: return once it is staged, before it is written."""
         self.wait()
         if not self.async_save:
-            return save_checkpoint(self.root, step, model, optimizer, extra, cfg, self.keep, self.group)
+            final = save_checkpoint(self.root, step, model, optimizer, extra, cfg, self.keep, self.group,
+                                    self.release_from)
+            self.release_from = self.release_from and final
+            return final
         model_sd, optim_sd, _ = _trained_state(model, optimizer)
         staged = self.stager.stage({"model": model_sd, "optim": optim_sd})
         self.pending = self.executor.submit(self._finish, step, staged, _small(extra, cfg),
@@ -387,11 +397,12 @@ class Checkpointer:
 
     def _finish(self, step: int, staged: Dict[str, Any], small: tuple, run_dir: str) -> None:
         final, tmp = _start(self.root, step, self.group)  # here too: on object storage that is a few requests
-        _write(tmp, staged, *small, self.group)
+        _write(tmp, staged, *small, self.group, self.release_from)
         if self.group is not None:
             dist.barrier(group=self.group)  # every rank's files are written
         if _rank() == 0:
             _publish(self.root, tmp, final, self.keep, run_dir)
+        self.release_from = self.release_from and final
 
     def wait(self) -> None:
         """Block until the pending async save (if any) is written and published on every rank."""

@@ -11,10 +11,12 @@ or fused experts; no lm_head when tied), the index, config.json, generation_conf
 into a temp directory renamed when complete.
 
 A release's tensors beside the text model (the vision tower `model.visual.*`, the MTP head `mtp.*`) are not part
-of our model: nothing trains them, so they are not held beside every rank's parameters. They travel as files:
-task=convert keeps them in the DCP checkpoint it writes (under `hf_extras.`), and an export writes them back,
-unchanged, from there or else from the HF directory the run started from (`read_extras`), so an export is again
-a complete release directory with its original config.json.
+of our model: nothing trains them, so they are not held beside every rank's parameters. They travel as files
+(`write_release`): task=convert and every full-weight training checkpoint keep them, unchanged, as safetensors
+in the step directory's `hf_extras/`, beside `hf/`, the release's config.json, tokenizer and tensor naming (copied
+from the HF directory or checkpoint the run started from, then from the run's own previous checkpoint). An export
+writes them back from there, so it is again a complete release directory with its original config.json, even
+after the source directory is gone.
 
 Names follow speedllm.models.hf_adapter (the one name map); the files are checked against the shapes the
 config implies before anything is read, so a bad directory fails with the tensor named, not mid-load.
@@ -41,6 +43,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple, get_origin
 import torch
 from torch import nn
 
+from speedllm import storage
 from speedllm.adapters.lora import is_adapter, unwrapped
 from speedllm.errors import UserError, reading
 from speedllm.models.config import ModelConfig
@@ -373,8 +376,49 @@ def source_names(source: Path) -> HFNames:
     return HFNames()  # a checkpoint converted before the naming was kept: a Qwen3 causal LM's
 
 
+RELEASE_DIR = "hf"  # a checkpoint's copy of its release's files (config.json, tokenizer, naming)
+EXTRAS_DIR = "hf_extras"  # a checkpoint's release tensors beside the text model, as safetensors
+
+
 def has_weights(path: Path) -> bool:
     return any(path.glob("*.safetensors"))
+
+
+def write_release(source: Optional[str], step_dir) -> None:
+    """Keep what of release `source` is not our model in checkpoint `step_dir`, unchanged: hf/ (config.json,
+    generation_config.json, tensor naming, tokenizer files) and hf_extras/ (the vision tower and MTP tensors as
+    safetensors, one source shard in memory at a time). `source` is an HF directory, or a checkpoint that keeps
+    them (copied file by file); both and `step_dir` may be URLs (a checkpoint's), an HF directory only local."""
+    from safetensors.torch import save
+
+    def target(folder: str, name: str):
+        if not storage.is_url(step_dir):
+            Path(step_dir, folder).mkdir(exist_ok=True)
+        return storage.open_file(storage.join(step_dir, folder, name), "wb")
+
+    if source is None:
+        return
+    if storage.list_names(storage.join(source, RELEASE_DIR)):  # a checkpoint that keeps them
+        for folder in (RELEASE_DIR, EXTRAS_DIR):
+            for name in storage.list_names(storage.join(source, folder)):
+                with storage.open_file(storage.join(source, folder, name), "rb") as src, target(folder, name) as dst:
+                    shutil.copyfileobj(src, dst, 1 << 24)
+        return
+    if storage.is_url(source) or not has_weights(Path(source)) or not (Path(source) / "config.json").is_file():
+        return
+    files = weight_files(source)
+    names = hf_names_of(files)
+    with target(RELEASE_DIR, NAMES_FILE) as f:
+        f.write((json.dumps({"prefix": names.prefix, "fused_experts": names.fused_experts}) + "\n").encode())
+    for name in ("config.json", "generation_config.json", *TOKENIZER_FILES):
+        if (Path(source) / name).is_file():
+            with open(Path(source) / name, "rb") as src, target(RELEASE_DIR, name) as dst:
+                shutil.copyfileobj(src, dst)
+    for file in sorted({files[name] for name in files if is_extra(name)}):
+        with _open_safetensors(source, file) as reader:
+            tensors = {name: reader.get_tensor(name) for name in reader.keys() if is_extra(name)}
+        with target(EXTRAS_DIR, file.name) as f:
+            f.write(save(tensors, metadata={"format": "pt"}))
 
 
 def read_extras(source: str, files: Optional[Dict[str, Path]] = None) -> Dict[str, torch.Tensor]:

@@ -7,14 +7,13 @@
 Both run in one process on the CPU. Our checkpoints are layout-free, so a checkpoint saved under any parallel
 layout converts the same way. The DCP checkpoint written here is laid out like a training checkpoint
 (<out>/step_00000000 + `latest`) and holds the model only (no optimizer state), plus a release's tensors beside
-the text model (vision tower, MTP head) under `hf_extras.`; the HF directory's config.json,
+the text model (vision tower, MTP head) as safetensors in hf_extras/; the HF directory's config.json,
 generation_config.json, tokenizer files and tensor naming are kept under step_00000000/hf/ so that the way back
 reproduces them exactly.
 """
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -33,23 +32,25 @@ from speedllm.checkpoint.dcp import (
     step_dir_name,
 )
 from speedllm.checkpoint.hf import (
-    NAMES_FILE,
+    EXTRAS_DIR,
+    RELEASE_DIR,
     check_hf_files,
-    copy_tokenizer,
     has_tokenizer,
+    has_weights,
     hf_model_fields,
+    read_extras,
     read_hf_config,
     weight_files,
+    write_release,
     write_hf_dir,
 )
 from speedllm.errors import UserError
 from speedllm.hardware import DTYPES
-from speedllm.models.hf_adapter import from_hf_state_dict, hf_names_of, is_extra
+from speedllm.models.hf_adapter import from_hf_state_dict, is_extra
 from speedllm.outputs import make_scratch_dir
 from speedllm.storage import write_text_atomic
 
-HF_SUBDIR = "hf"
-EXTRAS = "hf_extras"  # a converted release's tensors beside the text model, in its DCP checkpoint
+EXTRAS = "hf_extras"  # DCP key of a release's extras in checkpoints converted before they moved to hf_extras/
 
 
 def _dtype(cfg: DictConfig):
@@ -75,34 +76,27 @@ def hf_to_dcp(path: str, out: str, cfg: DictConfig) -> Path:
     read_hf_config(path)
     final = out_root / step_dir_name(0)
     # without tokenizer files of its own, a Qwen3 checkpoint goes with the bundled Qwen3 tokenizer
-    tokenizer = str(final / HF_SUBDIR) if has_tokenizer(path) else str(ASSETS / "tokenizers" / "qwen3")
+    tokenizer = str(final / RELEASE_DIR) if has_tokenizer(path) else str(ASSETS / "tokenizers" / "qwen3")
     model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig),
                                 {"name": Path(path).resolve().name, "tokenizer": tokenizer, **hf_model_fields(path)})
     files = weight_files(path)
     check_hf_files(path, model_cfg, files)
 
+    text = {name: file for name, file in files.items() if not is_extra(name)}  # the extras: write_release below
     hf_state = {}
-    for file in tqdm(sorted(set(files.values())), desc="reading safetensors", unit="file",
+    for file in tqdm(sorted(set(text.values())), desc="reading safetensors", unit="file",
                      disable=not cfg.logging.progress_bar):
         with safe_open(str(file), framework="pt") as reader:
-            hf_state.update({name: reader.get_tensor(name) for name in reader.keys() if name in files})
+            hf_state.update({name: reader.get_tensor(name) for name in reader.keys() if name in text})
     state = from_hf_state_dict(hf_state, model_cfg)
-    extras = {name: tensor for name, tensor in hf_state.items() if is_extra(name)}
     dtype = _dtype(cfg)
     if dtype is not None:
         state = {name: tensor.to(dtype) for name, tensor in state.items()}
 
     tmp = make_scratch_dir(out_root / f".{final.name}.tmp", "convert.out")
     with _quiet_dcp():
-        dcp.save({"model": state, **({EXTRAS: extras} if extras else {})}, checkpoint_id=str(tmp), no_dist=True)
-    (tmp / HF_SUBDIR).mkdir()
-    names = hf_names_of(files)
-    (tmp / HF_SUBDIR / NAMES_FILE).write_text(json.dumps({"prefix": names.prefix,
-                                                           "fused_experts": names.fused_experts}) + "\n")
-    for name in ("config.json", "generation_config.json"):
-        if (Path(path) / name).is_file():
-            shutil.copy2(Path(path) / name, tmp / HF_SUBDIR / name)
-    copy_tokenizer(path, tmp / HF_SUBDIR)
+        dcp.save({"model": state}, checkpoint_id=str(tmp), no_dist=True)
+    write_release(path, tmp)
     saved = OmegaConf.to_container(OmegaConf.create(cfg), resolve=True)  # typed objects or DictConfig
     saved["model"] = OmegaConf.to_container(model_cfg, resolve=True)
     saved["data"]["tokenizer"] = tokenizer
@@ -141,13 +135,15 @@ def dcp_to_hf(load: str, out: str, cfg: DictConfig) -> Path:
         dcp_load(state, ckpt)
         return state["model"]
 
-    extras = {key.removeprefix(EXTRAS + "."): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-              for key, meta in metadata.items() if key.startswith(EXTRAS + ".")}
-    if extras:
-        dcp_load({EXTRAS: extras}, ckpt)
+    extras = read_extras(str(ckpt / EXTRAS_DIR)) if has_weights(ckpt / EXTRAS_DIR) else {}
+    legacy = {key.removeprefix(EXTRAS + "."): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+              for key, meta in metadata.items() if key.startswith(EXTRAS + ".")}  # converted before hf_extras/
+    if legacy:
+        dcp_load({EXTRAS: legacy}, ckpt)
+        extras.update(legacy)
 
     # The original HF files: kept inside a converted checkpoint, or the directory a training run started from.
-    source = ckpt / HF_SUBDIR
+    source = ckpt / RELEASE_DIR
     if not source.is_dir():
         load_hf = OmegaConf.select(saved, "checkpoint.load_hf")
         source = Path(load_hf) if load_hf is not None and Path(load_hf).is_dir() else None

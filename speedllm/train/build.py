@@ -127,4 +127,8 @@ def training_loop(cfg, rt: Runtime, step: int) -> Loop:
     t, ck, log = cfg.train, cfg.checkpoint, cfg.logging
     logger = MetricsLogger(cfg.run_dir, t.steps, step, rt.is_main, log.tensorboard, log.progress_bar)
     stop_at = min(t.steps, step + t.stop_after) if t.stop_after > 0 else t.steps
-    return Loop(logger, Checkpointer(ck.dir, ck.keep, ck.async_save), stop_at)
+    # what the run started from (restore() left checkpoint.load resolved): its checkpoints keep that release's
+    # files (config, tokenizer, vision tower, MTP)
+    start = ck.load if ck.load not in (None, "auto") else ck.load_hf
+    release_from = start if cfg.finetune.name == "full" else None
+    return Loop(logger, Checkpointer(ck.dir, ck.keep, ck.async_save, release_from), stop_at)
