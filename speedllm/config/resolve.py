@@ -34,8 +34,9 @@ def resolve(cfg: DictConfig) -> tuple[int, int]:
     fetch_inputs(cfg)
     resolve_model(cfg)
     validate_values(cfg)  # values first: a typo is named before a missing checkpoint, and the layout is derived
-    if cfg.task.inference or from_another_task(cfg):  # from sane launcher counts and planner sizes
-        adopt_checkpoint_config(cfg)
+    another = None if cfg.task.inference else another_tasks_checkpoint(cfg)
+    if cfg.task.inference or another is not None:  # from sane launcher counts and planner sizes
+        adopt_checkpoint_config(cfg, another)
     if not cfg.task.in_process:  # a job that is not launched needs no rendezvous
         resolve_nodes(cfg)
     return resolve_layout(cfg)
@@ -169,33 +170,34 @@ def choose_layout(cfg: DictConfig) -> None:
         print(f"parallel=auto: {lay.short()} on {world} device(s): {best.memory.total / GIB:.1f} GiB per device")
 
 
-def from_another_task(cfg: DictConfig) -> bool:
-    """A launched job's checkpoint.load names a checkpoint whose run started from another task's weights (that
-    checkpoint itself, or one it resumes): it takes that run's model and tokenizer, as an inference task does."""
+def another_tasks_checkpoint(cfg: DictConfig):
+    """The checkpoint a launched job's checkpoint.load names (resolved), when its run started from another task's
+    weights (that checkpoint itself, or one it resumes): the job takes that run's model and tokenizer, as an
+    inference task does. Else None."""
     ck = cfg.checkpoint
     if cfg.task.in_process or ck.load_hf is not None or ck.load is None:
-        return False
+        return None
     if storage.is_url(ck.load):  # a server that does not answer fails here in seconds, not at resolve_load's pace
         storage.check("checkpoint.load", ck.load, must_exist=True)
     try:
         path = resolve_load(ck.load, ck.dir)
     except UserError:  # no checkpoint there: validation names the key and the fix
-        return False
-    return path is not None and started_from(path, cfg.task.name) is not None
+        return None
+    return path if path is not None and started_from(path, cfg.task.name) is not None else None
 
 
-def adopt_checkpoint_config(cfg: DictConfig) -> bool:
+def adopt_checkpoint_config(cfg: DictConfig, path=None) -> bool:
     """With checkpoint.load, the architecture and tokenizer the checkpoint was trained with replace cfg's;
     returns whether they did.
 
     Before validation and freezing, so <run_dir>/config.yaml is the model that runs and is checked as such.
     (An HF directory needs nothing here: model=hf reads its config.json, and validation checks any other
-    model= against it.)
+    model= against it.) `path`: checkpoint.load already resolved.
     """
     ck = cfg.checkpoint
     if ck.load_hf is not None or ck.load is None:  # no weights at all: validation says what to give
         return False
-    path = resolve_load(ck.load, ck.dir)
+    path = path if path is not None else resolve_load(ck.load, ck.dir)
     if path is None:
         raise UserError(f"checkpoint.load={ck.load}: no checkpoint there yet; point it at a step_* directory or a "
                         "checkpoints directory")

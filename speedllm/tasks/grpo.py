@@ -356,7 +356,8 @@ def run(cfg, rt: Runtime) -> None:
                 scheduler.step()
                 step += 1
                 bad.record(metrics.pop("finite"), step)
-                silent += not all_reduce(torch.tensor(float(bool(advantages.any()))), dp_group, dist.ReduceOp.MAX)
+                if step - first_step <= SILENT_STEPS:  # every rank alike: the collective is matched
+                    silent += not all_reduce(torch.tensor(float(bool(advantages.any()))), dp_group, dist.ReduceOp.MAX)
                 logger.advance(step)
                 tokens = float(lengths.sum())
                 metrics |= {"rl/reward": float(total_N.mean()),
