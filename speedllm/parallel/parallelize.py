@@ -191,6 +191,20 @@ def materialize(pm: ParallelModel, dims: ParallelDims, device: torch.device, see
     init_shards(pm.parts, pm.module.cfg, seed)
 
 
+def rowwise_norm(grad: torch.Tensor) -> torch.Tensor:
+    """L2 norm of a matrix as the norm of its row norms.
+
+    A tied embedding's gradient holds a few large rows (the tokens in the batch, from the embedding side) beside
+    ~vocab small ones (the output layer's softmax side). One float32 pass over all of it adds the small squares to
+    an accumulator already grown by the large ones, and rounds them away in an order that depends on how the
+    matrix is split: fsdp2 and tp2 then depart from one process by ~5e-5 in the norm. Row norms are each summed at
+    their own scale, so every layout gets the same value to float32 rounding.
+    """
+    rows = torch.linalg.vector_norm(grad, dim=1)
+    norm = torch.linalg.vector_norm(rows)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
 def clip_grad_norm(pm: ParallelModel, max_norm: float) -> torch.Tensor:
     """Global L2 norm of all gradients (every shard, every pipeline stage), clipped to max_norm when > 0.
 
@@ -202,6 +216,11 @@ def clip_grad_norm(pm: ParallelModel, max_norm: float) -> torch.Tensor:
     skip = set()
     if pipeline is not None and pipeline.tied and model.lm_head is not None:
         skip.add(id(model.lm_head.weight))  # the first stage counts the tied weight
+    tied = model.embed_tokens.weight if model.cfg.tie_word_embeddings and model.embed_tokens is not None else None
+    if tied is None or tied.grad is None or id(tied) in skip:  # (a last stage's tie is its head's weight)
+        tied = None
+    else:
+        skip.add(id(tied))  # summed by rows below
     by_mesh = defaultdict(list)  # foreach ops need one mesh per call
     for p in params:
         by_mesh[(p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None].append(p)
@@ -211,6 +230,8 @@ def clip_grad_norm(pm: ParallelModel, max_norm: float) -> torch.Tensor:
         if grads:
             norm = torch.nn.utils.get_total_norm(grads, foreach=True)
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if tied is not None:
+        norms.append(rowwise_norm(tied.grad))
     if len(norms) == 1 and pipeline is None:
         total = norms[0]  # exactly torch.nn.utils.clip_grad_norm_'s norm
     else:
