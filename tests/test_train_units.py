@@ -12,7 +12,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from speedllm.config import compose_config
 from speedllm.errors import UserError
 from speedllm.train.faults import BadSteps
-from speedllm.train.metrics import MetricsLogger, flops_per_token, matmul_params_per_token, mfu
+from speedllm.train.metrics import MetricsLogger, flops_per_token, matmul_params_per_token, mfu, peak_devices
 from speedllm.train.optimizer import build_optimizer
 from speedllm.train.schedule import build_scheduler, lr_factor
 
@@ -85,6 +85,10 @@ def test_flops_and_mfu_match_hand_computation():
     # a measured step: 8 x 256 tokens in 2.0 s = 1024 tokens/s on 1 CPU with a 0.1 TFLOP/s fp32 peak
     assert mfu(8 * 256 / 2.0, 33_030_144, 0.1, 1) == pytest.approx(1024 * 33_030_144 / 1e11)
     assert mfu(8 * 256 / 2.0, 33_030_144, 0.1, 4) == pytest.approx(0.3382286746 / 4)
+    # 4 ranks on one CPU share the cores its probe measured: one peak; on 4 GPUs, four; on 2 CPU nodes, two
+    assert peak_devices(compose_config("hardware=cpu", "launcher.nproc_per_node=4"), 4) == 1
+    assert peak_devices(compose_config("hardware=h100", "launcher.nproc_per_node=4"), 4) == 4
+    assert peak_devices(compose_config("hardware=cpu", "launcher.nproc_per_node=2", "launcher.nnodes=2"), 4) == 2
 
     moe = compose_config("model=qwen3_moe_tiny").model
     # h=128, head_dim 32: attention 128*32*12 = 49,152; top-2 of 8 experts of 128: 2*3*128*128 = 98,304,

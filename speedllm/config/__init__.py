@@ -18,9 +18,9 @@ def _hf_model(path, key):
 
 def _cpu_dtype():
     """`${cpu_dtype:}`: what hardware.dtype=auto picks on this CPU (conf/hardware/cpu.yaml)."""
-    from speedllm.hardware import cpu_dtype, cpu_probe
+    from speedllm.hardware import cpu_dtype, cpu_probe, isa_features
 
-    return cpu_dtype(cpu_probe())
+    return cpu_dtype(cpu_probe(), isa_features())
 
 
 def _cpu_peaks():

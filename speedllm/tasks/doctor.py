@@ -45,7 +45,7 @@ def cpu_compute(cfg: DictConfig) -> str:
     rates = ", ".join(f"{name} {rate:g}" for name, rate in gflops.items())
     return (f"cpu features: {' '.join(isa_features()) or 'none known'}; GEMM probe at {torch.get_num_threads()} "
             f"threads (GFLOP/s): {rates} ({probe_file()}; delete it to measure again); hardware.dtype=auto picks "
-            f"{cpu_dtype(gflops)}; this run: {cfg.hardware.dtype}")
+            f"{cpu_dtype(gflops, isa_features())}; this run: {cfg.hardware.dtype}")
 
 
 def run(cfg: DictConfig, rt: Runtime) -> None:

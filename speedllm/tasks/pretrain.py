@@ -12,7 +12,7 @@ from speedllm.checkpoint.dcp import latest_checkpoint
 from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.build import build_training, grad_accum_steps, to_device, training_loop
 from speedllm.train.faults import BadSteps, Preemption
-from speedllm.train.metrics import expert_load_metrics, flops_per_token, mfu, peak_memory_gb
+from speedllm.train.metrics import expert_load_metrics, flops_per_token, mfu, peak_devices, peak_memory_gb
 from speedllm.train.samples import print_samples
 from speedllm.train.state import extra_state
 from speedllm.train.step import evaluate, train_step
@@ -59,7 +59,7 @@ def run(cfg, rt: Runtime) -> None:
                 logger.advance(step)
                 if step % t.log_every == 0 or step == stop_at:
                     tokens_per_s = window_steps * tokens_per_step / window_time
-                    achieved = mfu(tokens_per_s, flops_tok, peak_tflops, rt.world_size)
+                    achieved = mfu(tokens_per_s, flops_tok, peak_tflops, peak_devices(cfg, rt.world_size))
                     expert_load = expert_load_metrics(pm.module, cfg.model, rt.device) if pm.module.has_moe else {}
                     logger.log(step, {
                         "loss": sum(window_losses) / len(window_losses) if window_losses else math.nan,

@@ -69,6 +69,12 @@ def flops_per_token(model: DictConfig, seq_len: int) -> float:
                                                              else 0)
 
 
+def peak_devices(cfg, world_size: int) -> int:
+    """How many times hardware.peak_tflops the ranks have: one per rank on accelerators; on CPUs one per node, as
+    a node's ranks share the cores its probe measured (the probe runs at the launcher's thread count)."""
+    return cfg.launcher.nnodes if cfg.hardware.device == "cpu" else world_size
+
+
 def mfu(tokens_per_s: float, flops_per_tok: float, peak_tflops: float, world_size: int) -> float:
     """Model FLOPs utilization: achieved FLOP/s over the summed peak of all devices."""
     return tokens_per_s * flops_per_tok / (peak_tflops * 1e12 * world_size)
