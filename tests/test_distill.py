@@ -316,3 +316,38 @@ def test_int8_teacher_equals_torchao_int8_weight_only(models, tmp_path, launch):
                             f"distill.teacher={teacher_dir}", "distill.teacher_quant=int8_wo")
     assert code == 0, err[-2000:]
     assert f"teacher weights {expected / 2**20:.1f} MiB (= task=plan's)" in out
+
+
+def test_on_policy_steps_train_the_configured_loss(models, tmp_path, launch):
+    """distill.on_policy=1: the step trains on the student's samples with distill.loss and ce_weight (GKD), not a
+    fixed reverse KL: its loss is (1 - w) KL(teacher || student) + w cross-entropy on the sampled tokens, both of
+    which the step reports from the same positions."""
+    import json
+
+    from test_train_loop import TINY
+
+    teacher_dir, student_dir = models
+    run = [o for o in TINY if not o.startswith("model")]
+    code, _, err = launch(tmp_path / "run", *run, *DISTILL, "model=hf", f"checkpoint.load_hf={student_dir}",
+                          f"distill.teacher={teacher_dir}", "distill.on_policy=1.0", "distill.loss=forward_kl",
+                          "distill.temperature=2.0", "distill.ce_weight=0.3", "train.eval_every=0")
+    assert code == 0, err[-2000:]
+    (train,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert train["on_policy"] == 1.0
+    expected = 0.7 * train["distill/kl"] + 0.3 * train["distill/ce"]
+    assert train["distill/loss"] == pytest.approx(expected, rel=1e-5)
+    assert train["distill/kl"] > 0 and train["distill/ce"] > 0
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5])
+def test_on_policy_steps_are_drawn_with_probability_lambda(fraction):
+    from speedllm.tasks.distill import is_on_policy
+
+    draws = [is_on_policy(step, fraction, seed=7) for step in range(1, 4001)]
+    assert sum(draws) / len(draws) == pytest.approx(fraction, abs=0.03)  # binomial sd <= 0.008
+    # drawn per step, not a fixed schedule: runs of three alike occur (an even spacing at 0.5 alternates) and
+    # another seed draws other steps; the draw is the same whenever it is asked again (every rank, a resume)
+    assert any(draws[i] == draws[i + 1] == draws[i + 2] for i in range(len(draws) - 2))
+    assert draws != [is_on_policy(step, fraction, seed=8) for step in range(1, 4001)]
+    assert draws == [is_on_policy(step, fraction, seed=7) for step in range(1, 4001)]
+    assert not any(is_on_policy(s, 0.0, 7) for s in range(1, 200)) and all(is_on_policy(s, 1.0, 7) for s in range(1, 200))

@@ -333,7 +333,7 @@ class DistillConfig:
     temperature: float = 1.0  # both distributions are softmax(logits / temperature)
     ce_weight: float = 0.0  # loss = (1 - ce_weight) divergence + ce_weight cross-entropy on the labels
     top_k: Optional[int] = None  # keep the teacher's top_k tokens, renormalized; None: the whole distribution
-    on_policy: float = 0.0  # fraction of steps on the student's own samples (GKD's lambda), reverse KL
+    on_policy: float = 0.0  # probability a step trains on the student's own samples (GKD's lambda), same loss
     # same: the teacher sharded like the student (FSDP2, TP) | replicate: whole on every rank, no gathers of it
     # (a student without TP)
     teacher_parallel: str = "same"

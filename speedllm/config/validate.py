@@ -418,10 +418,10 @@ def check_distill(cfg: DictConfig) -> None:
         raise UserError(f"distill.top_k={d.top_k} exceeds the vocabulary ({cfg.model.vocab_size}); use a smaller k, "
                         "or distill.top_k=null for the whole distribution")
     reverse = d.loss == "reverse_kl" or d.loss == "jsd" and d.beta == 1
-    if d.top_k is not None and (reverse or d.on_policy > 0):
-        raise UserError(f"distill.top_k={d.top_k} with the reverse KL (distill.loss={d.loss}, beta={d.beta}, on_policy="
-                        f"{d.on_policy}) is infinite where the student puts mass outside the teacher's top k; use "
-                        "distill.top_k=null, or distill.loss=forward_kl|jsd with beta < 1 and on_policy=0")
+    if d.top_k is not None and reverse:
+        raise UserError(f"distill.top_k={d.top_k} with the reverse KL (distill.loss={d.loss}, beta={d.beta}) is "
+                        "infinite where the student puts mass outside the teacher's top k; use distill.top_k=null, or "
+                        "distill.loss=forward_kl|jsd with beta < 1")
     source = check_teacher(cfg)
     errors = layout_errors(source.model, tp=p.tp, pp=1, vpp=1, ep=p.ep, cp=1, dp=p.dp, schedule=p.pp_schedule,
                            sequence_parallel=p.sequence_parallel)

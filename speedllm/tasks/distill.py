@@ -8,12 +8,14 @@ hidden states and output weight go into the student's output loss, which makes b
 positions at a time. Like the training loop (speedllm.train.step), each rank divides its sum by the step's global
 count of labelled positions and the data-parallel gradient reduction sums, so the step is exact whatever the split.
 
-On-policy (distill.on_policy = λ, GKD's fraction of batches; steps are on-policy at the evenly spaced share λ of
-them): the student samples a completion of each row's prompt with the shared rollout (speedllm.generation.rollout,
-the training model itself at temperature 1), the teacher scores every sampled token, and the loss is the per-token
-reverse KL at distill.temperature on those samples. A row's prompt is its tokens up to its first label (SFT: the
-prompt turns), or the first half of a row labelled from its start (pretraining data); completions run to
-train.seq_len / 2 tokens. Every eval also samples the held-out prompts so: `distill/sample_reverse_kl`.
+On-policy (distill.on_policy = λ, GKD's student-data fraction): each step samples with probability λ, drawn from
+the run's seed and the step (the same on every rank and on resume). On a sampled step the student completes each
+row's prompt with the shared rollout (speedllm.generation.rollout, the training model itself at temperature 1), the
+teacher scores every sampled token, and the loss is the configured objective (distill.loss, beta, top_k, ce_weight;
+the cross-entropy's labels are then the sampled tokens) on those samples, as in GKD. A row's prompt is its tokens up
+to its first label (SFT: the prompt turns), or the first half of a row labelled from its start (pretraining data);
+completions run to train.seq_len / 2 tokens. Every eval also samples the held-out prompts and reports the reverse KL
+on them: `distill/sample_reverse_kl`.
 Runs without pipeline stages and context parallelism.
 """
 
@@ -47,8 +49,8 @@ def objective_of(cfg) -> Objective:
     return Objective(d.loss, d.beta, d.temperature, d.top_k or 0, d.ce_weight)
 
 
-def on_policy_objective(cfg) -> Objective:
-    """The loss on the student's own samples: the per-token reverse KL (their labels are no data to learn)."""
+def reverse_kl_objective(cfg) -> Objective:
+    """The held-out metric on the student's own samples: the per-token reverse KL."""
     return Objective("reverse_kl", temperature=cfg.distill.temperature)
 
 
@@ -73,9 +75,14 @@ def sampler_of(cfg, rt: Runtime) -> Sampler:
                    cfg.seed, rt.dims.coords("dp")[0])
 
 
-def is_on_policy(step: int, fraction: float) -> bool:
-    """Whether step (counted from 1) samples: the steps where floor(step * fraction) rises, fraction of them."""
-    return math.floor(step * fraction) > math.floor((step - 1) * fraction)
+_ON_POLICY = 0x6F6E  # a tag in the draw's seed (ints only: a str's hash differs from process to process)
+
+
+def is_on_policy(step: int, fraction: float, seed: int) -> bool:
+    """Whether step (counted from 1) samples: with probability `fraction`, drawn from (seed, step) alone, so every
+    rank and a resumed run draw alike."""
+    draw = torch.rand((), generator=torch.Generator().manual_seed(hash((seed, step, _ON_POLICY)) % 2**63))
+    return fraction > 0 and draw.item() < fraction
 
 
 def prompts_of(batch: dict) -> List[List[int]]:
@@ -176,7 +183,7 @@ def evaluate(pm: ParallelModel, teacher, objective: Objective, cfg, dp_rank: int
         totals[0] += loss_sum
         with autocast:
             samples = sampled_batch(pm.module, batch, t.seq_len // 2, sampler, key=-1 - i)
-        loss_sum, _ = distill_forward(pm.module, teacher, samples, on_policy_objective(cfg), sampled[1:], autocast)
+        loss_sum, _ = distill_forward(pm.module, teacher, samples, reverse_kl_objective(cfg), sampled[1:], autocast)
         sampled[0] += loss_sum
     pm.train()
     return {**reduced_metrics(totals, group),
@@ -199,13 +206,13 @@ def run(cfg, rt: Runtime) -> None:
             start = time.perf_counter()
             lr = scheduler.get_last_lr()[0]
             micro_batches = [to_device(next(loader), rt.device) for _ in range(accum)]
-            on_policy = is_on_policy(step + 1, cfg.distill.on_policy)
+            on_policy = is_on_policy(step + 1, cfg.distill.on_policy, cfg.seed)
             if on_policy:
                 with autocast:
                     micro_batches = [sampled_batch(pm.module, mb, t.seq_len // 2, sampler, key=step * accum + i)
                                      for i, mb in enumerate(micro_batches)]
-            metrics = distill_step(pm, teacher, optimizer, scheduler, micro_batches,
-                                   on_policy_objective(cfg) if on_policy else objective, cfg, dp_size, group, autocast)
+            metrics = distill_step(pm, teacher, optimizer, scheduler, micro_batches, objective, cfg, dp_size, group,
+                                   autocast)
             step += 1
             logger.advance(step)
             if step % t.log_every == 0 or step == stop_at:
