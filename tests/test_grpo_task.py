@@ -144,6 +144,7 @@ def test_dynamic_sampling_replaces_groups_without_advantage(tmp_path):
     run(cfg, Runtime())
     (record,) = metrics(tmp_path)
     assert 0 < record["rl/zero_adv_groups"] < 1  # the first rollout had groups to replace
+    assert record["rl/zero_adv_groups_trained"] == 0  # and the update trained on none of them
     assert record["rl/response_len"] > 0 and record["loss"] != 0
 
 

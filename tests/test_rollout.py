@@ -54,7 +54,7 @@ def test_logprobs_match_transformers_and_our_training_forward(moe, hf_pair):
         assert torch.equal(top[:, fed], ro.routes[:, fed]) and bool((ro.routes[:, :, -1] == -1).all())
         with replay_routes(ours, ro.routes) as tapes:
             replayed, _ = completion_logprobs(ours, ro, SAMPLING.temperature)
-        assert sum(int(t.changed) for t in tapes) == 0 and torch.equal(replayed, trained)
+        assert sum(int(t.changed) + int(t.replayed) for t in tapes) == 0 and torch.equal(replayed, trained)
         moved = ro.routes.clone()  # every token's first expert moved to another one
         moved[..., 0] = (moved[..., 0] + 1) % 4
         moved[..., 0] = torch.where(moved[..., 0] == moved[..., 1], (moved[..., 0] + 1) % 4, moved[..., 0])
@@ -62,8 +62,13 @@ def test_logprobs_match_transformers_and_our_training_forward(moe, hf_pair):
         with replay_routes(ours, moved) as tapes:
             forced, _ = completion_logprobs(ours, ro, SAMPLING.temperature)
         real_fed = ro.attention_mask.bool() & fed
-        assert sum(int(t.changed) for t in tapes) == 2 * int(real_fed.sum())
+        # the forward used the given experts (nothing changed from them), overriding the router on every token
+        assert sum(int(t.changed) for t in tapes) == 0 and sum(int(t.replayed) for t in tapes) == 2 * int(real_fed.sum())
         assert not torch.allclose(forced, trained)
+        with replay_routes(ours, moved, impose=False) as tapes:  # the router decides: every token departs
+            free, _ = completion_logprobs(ours, ro, SAMPLING.temperature)
+        assert sum(int(t.changed) for t in tapes) == 2 * int(real_fed.sum()) and torch.equal(free, trained)
+        assert sum(int(t.replayed) for t in tapes) == 0
 
 
 def test_a_prompt_samples_the_same_whatever_shares_its_batch(hf_pair):

@@ -135,16 +135,18 @@ class Routes:
     """The experts each token of one MoE layer is sent to, for a rollout and its training forward (router replay).
 
     Recording (`given` None): every forward's top-k expert ids are kept, [B, S, k] each, in `recorded`.
-    Comparing (`given` [B, S, k] expert ids, -1 in a token's row: none): `changed` counts the real tokens
-    (token_mask) whose own top-k set differs from the given one. With `impose`, the given experts also replace
-    the top-k in the next forwards (a recompute under activation checkpointing gets the same), weighted by the
-    router's probabilities of them, so the router still learns: `changed` then counts the routes replay kept.
+    Comparing (`given` [B, S, k] expert ids, -1 in a token's row: none): over the real tokens (token_mask),
+    `changed` counts those whose experts in this forward (the ones its dispatch uses) differ as a set from the given
+    ones, and `replayed` those whose router chose otherwise but were sent to the given experts. With `impose`, the
+    given experts replace the top-k in the next forwards (a recompute under activation checkpointing gets the same),
+    weighted by the router's probabilities of them, so the router still learns; without, the router decides.
     """
 
     def __init__(self, given: Optional[torch.Tensor] = None, impose: bool = True):
         self.given, self.impose = given, impose
         self.recorded = []
         self.changed = torch.zeros((), dtype=torch.long)
+        self.replayed = torch.zeros((), dtype=torch.long)
 
     def route(self, experts_Nk: torch.Tensor, shape_BS, token_mask: Optional[torch.Tensor]) -> torch.Tensor:
         if self.given is None:
@@ -152,11 +154,16 @@ class Routes:
             return experts_Nk
         given_Nk = self.given.reshape(experts_Nk.shape).to(experts_Nk.device)
         use_N = (given_Nk >= 0).all(dim=-1)
-        differs_N = (given_Nk.sort(dim=-1).values != experts_Nk.sort(dim=-1).values).any(dim=-1) & use_N
         if token_mask is not None:
-            differs_N &= token_mask.reshape(-1).bool()
-        self.changed = self.changed.to(experts_Nk.device) + differs_N.sum()
-        return torch.where(use_N[:, None], given_Nk, experts_Nk) if self.impose else experts_Nk
+            use_N &= token_mask.reshape(-1).bool()
+        used_Nk = torch.where(use_N[:, None], given_Nk, experts_Nk) if self.impose else experts_Nk
+
+        def differs(a_Nk, b_Nk):
+            return ((a_Nk.sort(dim=-1).values != b_Nk.sort(dim=-1).values).any(dim=-1) & use_N).sum()
+
+        self.changed = self.changed.to(experts_Nk.device) + differs(used_Nk, given_Nk)
+        self.replayed = self.replayed.to(experts_Nk.device) + (differs(experts_Nk, given_Nk) if self.impose else 0)
+        return used_Nk
 
 
 def moe_layers(model: nn.Module) -> list:
@@ -175,8 +182,9 @@ def record_routes(model: nn.Module):
 @contextlib.contextmanager
 def replay_routes(model: nn.Module, given_LBSk: torch.Tensor, impose: bool = True):
     """Forwards (and backwards) inside the block route each token to the experts `given_LBSk` [MoE layers, B, S, k]
-    names; yields the Routes, whose `changed` counts the routes that would otherwise have changed. With
-    impose=False the router decides as usual and `changed` counts where it departs from `given_LBSk`."""
+    names; yields the Routes, whose `changed` counts the routes that still differ from `given_LBSk` (0 when every
+    token was replayed) and `replayed` those that would have. With impose=False the router decides as usual and
+    `changed` counts where it departs from `given_LBSk`."""
     tapes = [Routes(given, impose) for given in given_LBSk]
     with _routes_set(model, tapes):
         yield tapes

@@ -19,9 +19,7 @@ on them: `distill/sample_reverse_kl`.
 Runs without pipeline stages and context parallelism.
 """
 
-import math
 import time
-import warnings
 from functools import partial
 from typing import Any, List, NamedTuple
 
@@ -33,14 +31,13 @@ from speedllm.generation.rollout import rollout
 from speedllm.generation.sampling import Sampling
 from speedllm.hardware import DTYPES
 from speedllm.ops import IGNORE_INDEX
-from speedllm.parallel import ParallelModel, clip_grad_norm
-from speedllm.parallel.offload import optimizer_step
+from speedllm.parallel import ParallelModel
 from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.build import build_training, grad_accum_steps, to_device, training_loop
 from speedllm.train.distill_loss import STATS, Objective, distill_loss
 from speedllm.train.metrics import peak_memory_gb
 from speedllm.train.state import extra_state
-from speedllm.train.step import count_targets, model_inputs
+from speedllm.train.step import count_targets, model_inputs, optimizer_update
 from speedllm.train.teacher import build_teacher, head_weight, teacher_hidden
 
 
@@ -154,14 +151,7 @@ def distill_step(pm: ParallelModel, teacher, optimizer, scheduler, micro_batches
         dist.all_reduce(aux_total, group=group)
     metrics = reduced_metrics(totals, group)
     loss = metrics["distill/loss"] + aux_total.item() / (num_micro * dp_size)
-    grad_norm = clip_grad_norm(pm, cfg.train.grad_clip)
-    ok = math.isfinite(loss) and bool(torch.isfinite(grad_norm))
-    if ok:
-        optimizer_step(optimizer, cfg.parallel.offload)
-    optimizer.zero_grad(set_to_none=True)
-    with warnings.catch_warnings():  # torch warns when a skipped update precedes the first scheduler step
-        warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
-        scheduler.step()
+    grad_norm, _ = optimizer_update(pm, optimizer, cfg, loss, scheduler)
     return {"loss": loss, **metrics, "grad_norm": grad_norm.item()}
 
 

@@ -13,9 +13,7 @@ Letters: B pairs per micro-batch, R = 2B rows (chosen, rejected interleaved), S 
 """
 
 import contextlib
-import math
 import time
-import warnings
 from typing import List
 
 import torch
@@ -24,11 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from speedllm.adapters.lora import adapters_disabled
-from speedllm.parallel import clip_grad_norm
-from speedllm.parallel.offload import optimizer_step
 from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.build import build_training, frozen_reference, grad_accum_steps, to_device, training_loop
 from speedllm.train.state import extra_state
+from speedllm.train.step import optimizer_update
 
 
 def reply_logps(model: nn.Module, tokens_RS: torch.Tensor, labels_RS: torch.Tensor) -> tuple:
@@ -76,14 +73,7 @@ def dpo_step(pm, reference, optimizer, scheduler, micro_batches: List[dict], cfg
     if group is not None:
         dist.all_reduce(totals, group=group)
     loss, chosen, rejected, correct = (totals / num_pairs).tolist()
-    grad_norm = clip_grad_norm(pm, cfg.train.grad_clip)
-    ok = math.isfinite(loss) and bool(torch.isfinite(grad_norm))
-    if ok:
-        optimizer_step(optimizer, cfg.parallel.offload)
-    optimizer.zero_grad(set_to_none=True)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
-        scheduler.step()
+    grad_norm, _ = optimizer_update(pm, optimizer, cfg, loss, scheduler)
     return {"loss": loss, "reward_chosen": chosen, "reward_rejected": rejected, "reward_margin": chosen - rejected,
             "reward_accuracy": correct, "grad_norm": grad_norm.item()}
 

@@ -42,14 +42,13 @@ from speedllm.generation.sampling import Sampling
 from speedllm.hardware import DTYPES
 from speedllm.models.moe import replay_routes
 from speedllm.models.rope import max_positions
-from speedllm.parallel import clip_grad_norm
-from speedllm.parallel.offload import optimizer_step
 from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.build import build_training, frozen_reference, training_loop
 from speedllm.train.faults import BadSteps, Preemption
 from speedllm.train.policy_loss import group_advantages, policy_loss, rollout_correction
 from speedllm.train.rewards import length_penalty
 from speedllm.train.state import extra_state
+from speedllm.train.step import optimizer_update
 
 
 def build_rewards(rl) -> list:
@@ -230,7 +229,7 @@ def rl_update(pm, ro: Rollout, advantages_N, ref_NC, optimizer, cfg, dp_group, w
     N = ro.tokens.shape[0]
     temperature = float(policy_temperature(Sampling(temperature=float(rl.temperature))))
     totals = torch.zeros(5)  # loss, KL sum, clipped tokens, tokens, entropy sum
-    changed, grad_norms = torch.zeros((), dtype=torch.long), []
+    route_counts, grad_norms = torch.zeros(2, dtype=torch.long), []  # MoE routes changed, replayed
     old_NC = ro.logprobs
     if rl.old_logprobs == "recompute":
         old_NC = recomputed_logprobs(model, ro, temperature, autocast, replay)
@@ -256,11 +255,9 @@ def rl_update(pm, ro: Rollout, advantages_N, ref_NC, optimizer, cfg, dp_group, w
                 loss.backward()
             if epoch == 0 and m == 0 and rl.old_logprobs == "rollout":  # before any update: the rollout's policy
                 diff = _differences(logprobs.detach(), part.logprobs, part.completion_mask)
-            changed = sum((t.changed.cpu() for t in tapes), changed)
-            grad_norm = clip_grad_norm(pm, cfg.train.grad_clip)
-            if math.isfinite(loss.item()) and bool(torch.isfinite(grad_norm)):
-                optimizer_step(optimizer, cfg.parallel.offload)
-            optimizer.zero_grad(set_to_none=True)
+            for t in tapes:
+                route_counts += torch.stack([t.changed, t.replayed]).cpu()
+            grad_norm, _ = optimizer_update(pm, optimizer, cfg, loss.item())
             grad_norms.append(grad_norm.item())
             entropy_sum = (entropy * mask_NC[rows]).sum().detach().reshape(1)
             totals += torch.cat([loss.detach().reshape(1), stats.detach(), entropy_sum]).cpu()
@@ -268,7 +265,7 @@ def rl_update(pm, ro: Rollout, advantages_N, ref_NC, optimizer, cfg, dp_group, w
     diff_max = all_reduce(diff[:1].clone(), world, dist.ReduceOp.MAX)
     diff_sum = all_reduce(torch.cat([diff[1:], corrected.reshape(1).cpu(), ro.completion_mask.sum().reshape(1).cpu()]),
                           dp_group)
-    all_reduce(changed, dp_group)
+    all_reduce(route_counts, dp_group)
     updates = rl.ppo_epochs * rl.mini_batches
     tokens = float(totals[3])
     out = {"loss": float(totals[0]) / updates, "grad_norm": sum(grad_norms) / len(grad_norms),
@@ -278,8 +275,8 @@ def rl_update(pm, ro: Rollout, advantages_N, ref_NC, optimizer, cfg, dp_group, w
            "rl/rollout_is_clip_frac": float(diff_sum[2] / diff_sum[3]),
            "finite": math.isfinite(float(totals[0])) and all(math.isfinite(g) for g in grad_norms)}
     if ro.routes is not None:
-        out["rl/changed_routes"] = 0 if replay else int(changed)
-        out["rl/replayed_routes"] = int(changed) if replay else 0
+        # measured in the update's forwards: their routes against the rollout's
+        out["rl/changed_routes"], out["rl/replayed_routes"] = (int(n) for n in route_counts)
     return out
 
 
@@ -348,6 +345,9 @@ def run(cfg, rt: Runtime) -> None:
                 else:
                     advantages = advantages[first_row:first_row + N]
                 lengths = torch.tensor([float(len(x)) for x in gather_lists(ro.completion_ids(), dp_group)])
+                # the groups the update trains on that carry no advantage (dynamic sampling replaces them)
+                flat = (advantages.view(-1, rl.group_size) == 0).all(dim=1)
+                flat_groups = all_reduce(torch.tensor([float(flat.sum()), float(flat.numel())]), dp_group)
                 start = time.perf_counter()
                 ref = reference_logprobs(pm, reference, ro, cfg, autocast)
                 metrics = rl_update(pm, ro, advantages.to(rt.device), ref, optimizer, cfg, dp_group, world,
@@ -365,7 +365,9 @@ def run(cfg, rt: Runtime) -> None:
                                for f, (name, _, _) in enumerate(rewards)},
                             "rl/response_len": float(lengths.mean()), "rl/response_len_max": float(lengths.max()),
                             "rl/clipped_share": float((lengths >= rl.max_new_tokens).float().mean()),
-                            "rl/zero_adv_groups": zero_groups, "rl/rollout_tokens_per_s": tokens / rollout_s,
+                            "rl/zero_adv_groups": zero_groups,
+                            "rl/zero_adv_groups_trained": float(flat_groups[0] / flat_groups[1]),
+                            "rl/rollout_tokens_per_s": tokens / rollout_s,
                             "rl/update_tokens_per_s": tokens * rl.ppo_epochs / update_s,
                             "rl/step_s": time.perf_counter() - began, "lr": lr, "skipped_steps": bad.total}
                 logger.log(step, metrics)

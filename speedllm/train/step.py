@@ -8,8 +8,9 @@ exactly, whatever the split: each micro-batch's summed cross-entropy is divided 
 token count (counted up front), and the data-parallel gradient reduction sums instead of averaging.
 """
 
+import math
 import warnings
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,23 @@ def forward_backward(model: nn.Module, micro_batches: List[dict], num_targets: t
 
 
 
+def optimizer_update(pm: ParallelModel, optimizer, cfg, loss, scheduler=None) -> Tuple[torch.Tensor, bool]:
+    """The tail of every training step (pretrain, sft, dpo, distill, grpo): clip the gradients to
+    train.grad_clip, step the optimizer unless the loss or the gradient norm is not finite, clear the gradients,
+    and step the LR schedule when given (skipped updates count: it follows the step number). Returns (grad_norm,
+    ok), ok False for a skipped update."""
+    grad_norm = clip_grad_norm(pm, cfg.train.grad_clip)
+    ok = math.isfinite(float(loss)) and bool(torch.isfinite(grad_norm))
+    if ok:
+        optimizer_step(optimizer, cfg.parallel.offload)
+    optimizer.zero_grad(set_to_none=True)
+    if scheduler is not None:
+        with warnings.catch_warnings():  # torch warns when a skipped update precedes the first scheduler step
+            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
+            scheduler.step()
+    return grad_norm, ok
+
+
 def train_step(pm: ParallelModel, optimizer, scheduler, micro_batches, cfg, dp_size, group, autocast) -> tuple:
     """One optimizer step. Returns (loss, grad_norm, ok); a non-finite loss or gradient skips the update."""
     num_targets = count_targets(micro_batches, group)
@@ -71,14 +89,7 @@ def train_step(pm: ParallelModel, optimizer, scheduler, micro_batches, cfg, dp_s
     if group is not None:
         dist.all_reduce(reported, group=group)
     loss = reported[0] / num_targets + reported[1] / (len(micro_batches) * dp_size)
-    grad_norm = clip_grad_norm(pm, cfg.train.grad_clip)
-    ok = bool(torch.isfinite(loss) and torch.isfinite(grad_norm))
-    if ok:
-        optimizer_step(optimizer, cfg.parallel.offload)
-    optimizer.zero_grad(set_to_none=True)
-    with warnings.catch_warnings():  # torch warns when a skipped update precedes the first scheduler step
-        warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
-        scheduler.step()  # the schedule follows the step count, skipped steps included
+    grad_norm, ok = optimizer_update(pm, optimizer, cfg, loss, scheduler)
     return loss.item(), grad_norm.item(), ok
 
 
