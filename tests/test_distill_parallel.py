@@ -35,3 +35,18 @@ def test_fsdp2_and_tp2_equal_the_single_process(tmp_path, launch_here, launch_ra
         for ours, theirs in zip(got, expected, strict=True):
             for key in ("loss", "distill/loss", "distill/kl", "distill/ce", "distill/top1_agree"):
                 assert ours[key] == pytest.approx(theirs[key], rel=1e-5), (layout, key, got, expected)
+
+
+@pytest.mark.slow
+def test_on_policy_samples_do_not_depend_on_the_layout(tmp_path, launch_here, launch_ranks):
+    """distill.on_policy=1: each row's completions are drawn from its index in the data, so two data-parallel
+    ranks sample what one process samples and the steps agree within 1e-5."""
+    teacher = save_hf("dense_tied", tmp_path / "teacher", max_shard_size="1MB", vocab_size=8192)
+    run = [*DENSE, *DISTILL, f"distill.teacher={teacher}", "distill.on_policy=1.0", "distill.top_k=null"]
+    layouts = {"single": ["parallel=single"], "dp2": ["parallel=dp2"]}
+    run_all({tmp_path / name: [*run, *layout] for name, layout in layouts.items()}, launch_here, launch_ranks)
+    expected, got = records(tmp_path / "single"), records(tmp_path / "dp2")
+    assert all(r["on_policy"] == 1.0 for r in expected)
+    for ours, theirs in zip(got, expected, strict=True):
+        for key in ("loss", "distill/loss", "distill/kl", "distill/ce", "distill/top1_agree"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-5), (key, got, expected)

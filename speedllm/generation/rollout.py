@@ -31,6 +31,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -100,6 +101,14 @@ def _all_done(done_N: torch.Tensor, group) -> bool:
 
 
 @torch.no_grad()
+def draw_generators(seed: int, draws: Sequence[int], device, *stream: int) -> List[torch.Generator]:
+    """One sampling generator per prompt, seeded by (seed, the prompt's draw, *stream) alone: a draw is the prompt's
+    index in the run (GRPO: its place in the prompt order; on-policy distillation: its sample index in the data), so
+    its completions do not depend on the layout, the rank that samples it, or what shares its batch."""
+    return [torch.Generator(device=device).manual_seed(
+        int(np.random.SeedSequence([seed, draw, *stream]).generate_state(1, np.uint64)[0] >> 1)) for draw in draws]
+
+
 def rollout(
     model: nn.Module,
     prompts: Sequence[Sequence[int]],

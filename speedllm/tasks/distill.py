@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from speedllm.generation.rollout import rollout
+from speedllm.generation.rollout import draw_generators, rollout
 from speedllm.generation.sampling import Sampling
 from speedllm.hardware import DTYPES
 from speedllm.ops import IGNORE_INDEX
@@ -60,7 +60,9 @@ class Sampler(NamedTuple):
     tp: int
     group: Any  # the ranks whose forwards run together (the whole job), None in one process
     seed: int
+    rows: int  # the micro-batch size
     dp_rank: int
+    dp_size: int
 
 
 def sampler_of(cfg, rt: Runtime) -> Sampler:
@@ -68,17 +70,25 @@ def sampler_of(cfg, rt: Runtime) -> Sampler:
 
     tokenizer = tokenizer_for(cfg)
     group = dist.group.WORLD if rt.world_size > 1 else None
+    dp_rank, dp_size, _ = rt.dims.coords("dp")
     return Sampler(stop_ids_of(tokenizer), pad_id_of(tokenizer), DTYPES[cfg.hardware.dtype], rt.dims.tp, group,
-                   cfg.seed, rt.dims.coords("dp")[0])
+                   cfg.seed, cfg.train.micro_batch_size, dp_rank, dp_size)
 
 
-_ON_POLICY = 0x6F6E  # a tag in the draw's seed (ints only: a str's hash differs from process to process)
+def first_sample(sampler: Sampler, consumed: int) -> int:
+    """The data's index of this rank's first row in the micro-batch the loader hands out after `consumed` samples
+    (speedllm.data.loader.Loader: each micro-batch is dp_size x rows samples in rank order)."""
+    return consumed + sampler.dp_rank * sampler.rows
+
+
+_EVAL_STREAM = 1  # the held-out samples' draws: a stream of their own
+_ON_POLICY = 2  # the stream of the steps' on-policy draws
 
 
 def is_on_policy(step: int, fraction: float, seed: int) -> bool:
     """Whether step (counted from 1) samples: with probability `fraction`, drawn from (seed, step) alone, so every
     rank and a resumed run draw alike."""
-    draw = torch.rand((), generator=torch.Generator().manual_seed(hash((seed, step, _ON_POLICY)) % 2**63))
+    draw = torch.rand((), generator=draw_generators(seed, [step], "cpu", _ON_POLICY)[0])
     return fraction > 0 and draw.item() < fraction
 
 
@@ -92,14 +102,14 @@ def prompts_of(batch: dict) -> List[List[int]]:
 
 
 @torch.no_grad()
-def sampled_batch(model, batch: dict, max_new_tokens: int, sampler: Sampler, key: int) -> dict:
+def sampled_batch(model, batch: dict, max_new_tokens: int, sampler: Sampler, first: int, *stream: int) -> dict:
     """The student's completions of the batch's prompts as a batch whose labels are the sampled tokens: tokens,
     labels, position_ids, attention_mask; right-padded to a multiple of the tensor-parallel degree (sequence
-    parallel splits the sequence). `key` picks the sampling generators (one per prompt)."""
+    parallel splits the sequence). Row i is sample `first` + i of the data, whose index (and `stream`) seeds its
+    draw: the same completions whatever the layout."""
     device = batch["tokens"].device
     prompts = prompts_of(batch)
-    generators = [torch.Generator(device).manual_seed(hash((sampler.seed, key, sampler.dp_rank, i)) % 2**63)
-                  for i in range(len(prompts))]
+    generators = draw_generators(sampler.seed, range(first, first + len(prompts)), device, *stream)
     ro = rollout(model, prompts, 1, max_new_tokens, Sampling(temperature=1.0), generators, sampler.stop_ids,
                  sampler.pad_id, sampler.dtype, sampler.tp, sampler.group)
     P, C = ro.prompt_width, ro.completion_mask.shape[1]
@@ -172,7 +182,8 @@ def evaluate(pm: ParallelModel, teacher, objective: Objective, cfg, dp_rank: int
         loss_sum, _ = distill_forward(pm.module, teacher, batch, objective, totals[1:], autocast)
         totals[0] += loss_sum
         with autocast:
-            samples = sampled_batch(pm.module, batch, t.seq_len // 2, sampler, key=-1 - i)
+            samples = sampled_batch(pm.module, batch, t.seq_len // 2, sampler,
+                                    first_sample(sampler, i * sampler.rows * sampler.dp_size), _EVAL_STREAM)
         loss_sum, _ = distill_forward(pm.module, teacher, samples, reverse_kl_objective(cfg), sampled[1:], autocast)
         sampled[0] += loss_sum
     pm.train()
@@ -195,12 +206,14 @@ def run(cfg, rt: Runtime) -> None:
         while step < stop_at:
             start = time.perf_counter()
             lr = scheduler.get_last_lr()[0]
+            firsts = [first_sample(sampler, loader.consumed_samples + i * t.micro_batch_size * dp_size)
+                      for i in range(accum)]
             micro_batches = [to_device(next(loader), rt.device) for _ in range(accum)]
             on_policy = is_on_policy(step + 1, cfg.distill.on_policy, cfg.seed)
             if on_policy:
                 with autocast:
-                    micro_batches = [sampled_batch(pm.module, mb, t.seq_len // 2, sampler, key=step * accum + i)
-                                     for i, mb in enumerate(micro_batches)]
+                    micro_batches = [sampled_batch(pm.module, mb, t.seq_len // 2, sampler, first)
+                                     for first, mb in zip(firsts, micro_batches)]
             metrics = distill_step(pm, teacher, optimizer, scheduler, micro_batches, objective, cfg, dp_size, group,
                                    autocast)
             step += 1

@@ -27,7 +27,6 @@ import time
 from collections.abc import Iterator, Sized
 from typing import List
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from hydra.utils import get_method
@@ -37,7 +36,8 @@ from speedllm.adapters.lora import adapters_disabled
 from speedllm.data.prompts import PromptOrder, load_prompts
 from speedllm.data.tokenizer import load_tokenizer, pad_id_of, stop_ids_of
 from speedllm.errors import UserError
-from speedllm.generation.rollout import Rollout, completion_logprobs, concat, policy_temperature, rollout
+from speedllm.generation.rollout import (Rollout, completion_logprobs, concat, draw_generators, policy_temperature,
+                                         rollout)
 from speedllm.generation.sampling import Sampling
 from speedllm.hardware import DTYPES
 from speedllm.models.moe import replay_routes
@@ -110,11 +110,6 @@ def _failing_prompt(fn, prompts, completions, columns, prompt_of_row) -> str:
     return str(sorted(set(prompt_of_row)))
 
 
-def prompt_seed(seed: int, draw: int) -> int:
-    """The sampling seed of a prompt draw (a run's draws never share one)."""
-    return int(np.random.SeedSequence([seed, draw]).generate_state(1, np.uint64)[0] >> 1)
-
-
 def gather_lists(values: list, group) -> list:
     """The concatenation of every data-parallel rank's `values`, in rank order."""
     if group is None:
@@ -153,8 +148,7 @@ class Sampler:
         share = rl.prompts_per_step // self.dp_size
         lo = self.dp_rank * share
         mine = prompt_ids[lo:lo + share]
-        generators = [torch.Generator(device=self.device).manual_seed(prompt_seed(self.cfg.seed, first_draw + lo + i))
-                      for i in range(share)]
+        generators = draw_generators(self.cfg.seed, range(first_draw + lo, first_draw + lo + share), self.device)
         was_training = model.training
         model.eval()
         with self.autocast:
