@@ -100,7 +100,6 @@ def _all_done(done_N: torch.Tensor, group) -> bool:
     return bool(flag)
 
 
-@torch.no_grad()
 def draw_generators(seed: int, draws: Sequence[int], device, *stream: int) -> List[torch.Generator]:
     """One sampling generator per prompt, seeded by (seed, the prompt's draw, *stream) alone: a draw is the prompt's
     index in the run (GRPO: its place in the prompt order; on-policy distillation: its sample index in the data), so
@@ -109,6 +108,7 @@ def draw_generators(seed: int, draws: Sequence[int], device, *stream: int) -> Li
         int(np.random.SeedSequence([seed, draw, *stream]).generate_state(1, np.uint64)[0] >> 1)) for draw in draws]
 
 
+@torch.no_grad()
 def rollout(
     model: nn.Module,
     prompts: Sequence[Sequence[int]],
