@@ -58,6 +58,9 @@ class HardwareConfig:
     devices_per_node: int = 8
     env: Dict[str, str] = field(default_factory=dict)
     float8: bool = False  # float8 matmuls (NVIDIA SM 8.9+: H100/H200/L40/RTX 40xx); gates quant=float8
+    # every matmul and attention in one fixed summation order (speedllm.ops.batch_invariant; CPUs): a token's values
+    # do not depend on its batch, so rollout and training log-probabilities are equal to the bit
+    batch_invariant: bool = False
 
 def npu_available() -> bool:
     """True when torch_npu is installed and sees a device. Imported only if present: it needs the Ascend toolkit."""

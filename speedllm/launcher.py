@@ -40,8 +40,11 @@ def run_task(cfg, rt: Runtime) -> None:
     """Call the task's `_target_` (conf/task/<name>.yaml) with the run as typed objects."""
     from hydra.utils import get_method
 
+    from speedllm.ops import batch_invariant
+
     cfg = typed(cfg)
-    get_method(cfg.task._target_)(cfg, rt)
+    with batch_invariant.mode(cfg.hardware.batch_invariant):
+        get_method(cfg.task._target_)(cfg, rt)
 
 
 def _spawn(cfg: DictConfig, frozen: Path, nproc: int) -> None:

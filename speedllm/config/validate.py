@@ -209,8 +209,12 @@ def check_task_name(cfg: DictConfig) -> None:
 
 
 def check_dtype(cfg: DictConfig) -> None:
-    """The dtype must be one the hardware profile has kernels (and a speed) for."""
+    """The dtype must be one the hardware profile has kernels (and a speed) for; batch-invariant kernels are
+    CPU ones."""
     hw = cfg.hardware
+    if hw.batch_invariant and hw.device != "cpu":
+        raise UserError(f"hardware.batch_invariant=true has CPU kernels only (speedllm.ops.batch_invariant), not "
+                        f"{hw.device} ones; set hardware.batch_invariant=false on hardware={hw.name}")
     if hw.dtype not in hw.peak_tflops:
         raise UserError(f"hardware.dtype={hw.dtype}: hardware={hw.name} ({hw.device}) lists no {hw.dtype} kernels "
                         f"(hardware.peak_tflops has {', '.join(hw.peak_tflops)}); use hardware.dtype="

@@ -21,7 +21,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from speedllm.native import isa, load
-from speedllm.ops import IGNORE_INDEX, reference
+from speedllm.ops import IGNORE_INDEX, batch_invariant, reference
 from speedllm.ops.reference import cross_entropy, varlen_attention
 from speedllm.ops.gated_delta_cpu import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
@@ -249,7 +249,10 @@ _ATTENTION_SCORES = 1 << 23  # the most B*H*S*T for _CausalAttention, which keep
 
 
 def attention(q, k, v, mask, scale):
-    """The reference's attention; training's causal bf16 attention (S == T) through _CausalAttention."""
+    """The reference's attention; training's causal bf16 attention (S == T) through _CausalAttention; the
+    fixed-order one in batch-invariant mode."""
+    if batch_invariant.active():
+        return batch_invariant.attention(q, k, v, mask, scale)
     (B, H, S, Dh), T = q.shape, k.shape[2]
     if (mask is None and S == T > 1 and B * H * S * T <= _ATTENTION_SCORES and _fused(q, k, v)
             and q.dtype == torch.bfloat16 and _needs_grad(q, k, v)):

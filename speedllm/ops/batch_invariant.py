@@ -1,0 +1,135 @@
+"""Batch-invariant mode on CPUs (hardware.batch_invariant): every matmul and attention of the model sums each
+output element in one fixed order (batch_invariant.c), so a token's values do not depend on how many rows or keys
+came with it. A rollout's decode step (a few rows, a cache of past keys) then computes the same bits as the
+training forward over the whole sequences, and rl/logprob_diff is exactly 0.
+
+`mode(True)` routes torch's CPU `mm`, `addmm` and `bmm` (what linear layers, the output layer and the MoE experts call,
+forward and backward, also inside DTensor and autocast) to the fixed-order kernel for the run, and `attention` is
+the op set's attention while the mode is on: its forward is the fixed-order kernel, its backward the reference's
+(gradients need no invariance). The norms, rotary, SwiGLU and log-softmax already compute each row on its own.
+Other dtypes than fp32 and bf16 are products summed by torch.sum (rare: nothing of the model's).
+"""
+
+import contextlib
+import ctypes
+import warnings
+from pathlib import Path
+
+import torch
+
+from speedllm.native import c_function
+
+SOURCE = Path(__file__).with_name("batch_invariant.c")
+_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+_MM = (_P, _P, _P, _L, _L, _L, _I)
+_ATTENTION = (_P,) * 5 + (_L,) * 6 + (ctypes.c_float, _I)
+_SUFFIX = {torch.float32: "", torch.bfloat16: "_bf16"}
+_active = False
+
+
+def _kernel(name: str, dtype: torch.dtype, argtypes: tuple):
+    return c_function(SOURCE, name + _SUFFIX[dtype], argtypes)
+
+
+def available() -> bool:
+    """Whether the kernels can be built here (a C compiler)."""
+    return _kernel("bi_mm", torch.float32, _MM) is not None
+
+
+def active() -> bool:
+    return _active
+
+
+def _supported(*tensors) -> bool:
+    dtype = tensors[0].dtype
+    return dtype in _SUFFIX and all(t.dtype == dtype and t.device.type == "cpu" for t in tensors)
+
+
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ b [K, N], each element summed over K in the kernel's fixed order."""
+    if not _supported(a, b):
+        return (a[:, :, None] * b[None]).sum(1)  # no matmul: the mode replaces them
+    (M, K), N = a.shape, b.shape[1]
+    x, w = a.contiguous(), b.t().contiguous()  # w [N, K]: a linear weight's own layout, no copy
+    y = torch.empty(M, N, dtype=a.dtype)
+    if M and N:
+        if K == 0:
+            return y.zero_()
+        _kernel("bi_mm", a.dtype, _MM)(x.data_ptr(), w.data_ptr(), y.data_ptr(), M, N, K, torch.get_num_threads())
+    return y
+
+
+def _mm_out(a, b, *, out):
+    return out.copy_(mm(a, b))
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B, M, K] @ b [B, K, N], one fixed-order mm per batch entry."""
+    return torch.stack([mm(x, y) for x, y in zip(a, b)]) if len(a) else a.new_empty(0, a.shape[1], b.shape[2])
+
+
+def _addmm(bias, a, b, *, beta=1, alpha=1):
+    product = mm(a, b)
+    if alpha != 1:
+        product = product * alpha
+    return product if beta == 0 else product + (bias if beta == 1 else bias * beta)
+
+
+class _Attention(torch.autograd.Function):
+    """The fixed-order attention forward; the reference math's backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale):
+        ctx.save_for_backward(q, k, v)
+        ctx.mask, ctx.scale = mask, scale
+        (B, H, S, D), (KV, T) = q.shape, k.shape[1:3]
+        allowed = None if mask is None else mask.expand(B, 1, S, T).reshape(B, S, T).to(torch.uint8).contiguous()
+        qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
+        out = torch.empty_like(qc)
+        _kernel("bi_attention", q.dtype, _ATTENTION)(
+            qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), None if allowed is None else allowed.data_ptr(),
+            out.data_ptr(), B, H, KV, S, T, D, scale, torch.get_num_threads())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from speedllm.ops.reference import attention_math
+
+        q, k, v = (t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors)
+        with torch.enable_grad():
+            out = attention_math(q, k, v, ctx.mask, ctx.scale)
+            wanted = [t for t in (q, k, v) if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad_out))
+        return (*(next(grads) if t.requires_grad else None for t in (q, k, v)), None, None)
+
+
+def attention(q, k, v, mask, scale):
+    """The op set's attention signature (speedllm.ops): mask None is causal, the queries being the last S of the
+    T keys; a bool mask [B, 1, S, T] says which keys each query may attend to."""
+    if not _supported(q, k, v) or any(type(t) is not torch.Tensor for t in (q, k, v)):
+        from speedllm.ops.reference import attention as reference
+
+        return reference(q, k, v, mask, scale)
+    return _Attention.apply(q, k, v, mask, q.shape[-1] ** -0.5 if scale is None else float(scale))
+
+
+@contextlib.contextmanager
+def mode(enabled: bool = True):
+    """Batch-invariant matmuls and attention in this process while the block runs (a no-op when not enabled)."""
+    global _active
+    if not enabled or _active:
+        yield
+        return
+    with warnings.catch_warnings():  # torch says it overrides a registered kernel: that is the point
+        warnings.simplefilter("ignore")
+        library = torch.library.Library("aten", "IMPL")
+        library.impl("mm", mm, "CPU")
+        library.impl("mm.out", _mm_out, "CPU")
+        library.impl("addmm", _addmm, "CPU")
+        library.impl("bmm", bmm, "CPU")
+    _active = True
+    try:
+        yield
+    finally:
+        _active = False
+        library._destroy()
