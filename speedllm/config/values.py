@@ -5,7 +5,6 @@ sampling/serving settings of the tasks that run a trained model.
 import dataclasses
 import math
 import os
-from glob import glob
 
 from omegaconf import DictConfig, OmegaConf
 
