@@ -166,6 +166,9 @@ VALUE_RULES = {
     "rl.clip_high": _at_least(0),
     "rl.overlong_penalty": _at_least(0),
     "rl.rollout_correction_threshold": _above(1),
+    "rl.max_turns": _at_least(0),
+    "rl.tool_timeout_s": _above(0),
+    "rl.tool_max_chars": _above(0),
 }
 
 
@@ -698,15 +701,17 @@ def check_rl(cfg: DictConfig) -> None:
                         "use a smaller buffer")
     if not rl.rewards:
         raise UserError("task=grpo needs reward functions: rl.rewards=[{_target_: module.fn, weight: 1.0}]")
-    for i, entry in enumerate(rl.rewards):
+    for key, i, entry in [("rewards", i, e) for i, e in enumerate(rl.rewards)] + \
+            [("tools", i, e) for i, e in enumerate(rl.tools)]:
         if not OmegaConf.is_dict(entry) or "_target_" not in entry:
-            raise UserError(f"rl.rewards[{i}]={entry} needs _target_: module.fn (and optionally weight)")
+            raise UserError(f"rl.{key}[{i}]={entry} needs _target_: module.fn"
+                            + (" (and optionally weight)" if key == "rewards" else ""))
         try:
             get_method(entry["_target_"])
         except Exception as e:  # hydra wraps import and attribute errors alike
-            raise UserError(f"rl.rewards[{i}]._target_={entry['_target_']} cannot be imported "
+            raise UserError(f"rl.{key}[{i}]._target_={entry['_target_']} cannot be imported "
                             f"({str(e).splitlines()[0]}); name a function module.fn on the Python path") from None
-        if not _finite(entry.get("weight", 1.0)):
+        if key == "rewards" and not _finite(entry.get("weight", 1.0)):
             raise UserError(f"rl.rewards[{i}].weight={entry.get('weight')} must be a finite number")
     if cfg.data.input is None:
         raise UserError("task=grpo needs data.input=<json/jsonl of {prompt, ...} records> (or data=rl_demo)")
