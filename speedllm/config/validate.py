@@ -720,4 +720,7 @@ def check_rl(cfg: DictConfig) -> None:
     from speedllm.models.rope import max_positions
 
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.trust_remote_code)
+    if rl.tools and tokenizer.convert_tokens_to_ids("</tool_call>") in (None, tokenizer.unk_token_id):
+        raise UserError(f"rl.tools: the tokenizer {cfg.data.tokenizer} has no </tool_call> token to end a call; use a "
+                        "Qwen3 tokenizer or leave rl.tools empty")
     load_prompts(cfg.data.input, tokenizer, max_positions(cfg.model) - rl.max_new_tokens, rl.max_new_tokens)
