@@ -16,7 +16,7 @@ from speedllm.data.tokenizer import load_tokenizer, pad_id_of, stop_ids_of
 from speedllm.generation.rollout import completion_logprobs, rollout
 from speedllm.generation.sampling import Sampling
 from speedllm.train.policy_loss import policy_loss
-from speedllm.train.tools import ToolRunner, calculator
+from speedllm.train.tools import ToolRunner, calculator, conversation
 
 CALL = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "(2 + 3) * 4"}}}
 
@@ -131,3 +131,14 @@ def test_grpo_with_the_calculator_through_launch_py(tmp_path, launch):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "rl/tool_errors" in r]
     assert [r["step"] for r in steps] == [1, 2] and all(r["rl/tool_errors"] <= r["rl/tool_calls"] for r in steps)
+
+
+def test_rewards_get_the_conversation_as_messages(setup):
+    tok, model = setup
+    ro, _, _, _ = run(tok, model, {"calculator": calculator}, "20")
+    ids = ro.completion_ids()[0]
+    messages = conversation(tok, ids, ro.tool_mask[0, :len(ids)].tolist())
+    call = json.dumps({"name": "calculator", "arguments": CALL["function"]["arguments"]})
+    assert messages == [{"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+                        {"role": "tool", "content": "20"},
+                        {"role": "assistant", "content": "<think>\n\n</think>\n\n20"}]
