@@ -16,7 +16,7 @@ from speedllm.data.tokenizer import load_tokenizer, pad_id_of, stop_ids_of
 from speedllm.generation.rollout import completion_logprobs, rollout
 from speedllm.generation.sampling import Sampling
 from speedllm.train.policy_loss import policy_loss
-from speedllm.train.tools import ToolRunner, calculator, conversation
+from speedllm.train.tools import ToolRunner, calculator, conversation, run_calls
 
 CALL = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "(2 + 3) * 4"}}}
 
@@ -107,7 +107,7 @@ def test_a_hanging_tool_is_cut_at_its_timeout_and_counted(setup):
     ro, runner, prompt, expected = run(tok, model, {"calculator": slow}, error)
     took = time.perf_counter() - start
     assert runner.errors == runner.calls == 2
-    assert 1.0 <= took < 10  # two calls of 0.5 s each, not 30 s
+    assert 0.5 <= took < 5  # the two rows' calls run at once, cut at 0.5 s, not 30 s
     assert ro.tokens[0].tolist() == prompt + expected  # the model reads the error as the tool's response
 
 
@@ -142,3 +142,20 @@ def test_rewards_get_the_conversation_as_messages(setup):
     assert messages == [{"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
                         {"role": "tool", "content": "20"},
                         {"role": "assistant", "content": "<think>\n\n</think>\n\n20"}]
+
+
+def test_the_last_call_of_a_conversation_is_run_and_bad_calls_answer_errors():
+    first = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 1"}}\n</tool_call>'
+    second = '<tool_call>\n{"name": "calculator", "arguments": "{\\"expression\\": \\"6 * 7\\"}"}\n</tool_call>'
+    texts = [first + "<tool_response>\n2\n</tool_response> then " + second, "<tool_call>{name: 1}</tool_call>",
+             '<tool_call>{"name": "search", "arguments": {}}</tool_call>',
+             '<tool_call>{"name": "calculator", "arguments": {"expression": "1 / 0"}}</tool_call>',
+             '<tool_call>{"name": "number", "arguments": {}}</tool_call>']
+    out = run_calls({"calculator": calculator, "number": lambda: 42}, texts, 1.0, 80)
+    assert out[0] == ("42", False)
+    assert [error for _, error in out[1:]] == [True] * 4
+    assert out[1][0].startswith("error: the tool call is not valid JSON")
+    assert out[2][0] == "error: no tool named 'search' (tools: calculator, number)"
+    assert out[3][0] == "error: ZeroDivisionError: division by zero"
+    assert out[4][0] == "error: the tool returned int, not text"
+    assert run_calls({"calculator": calculator}, texts[3:4], 1.0, 12) == [("error: ZeroD", True)]  # tool_max_chars

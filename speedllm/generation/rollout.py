@@ -188,12 +188,12 @@ def rollout(
             out_NC[:, step] = token_N
             done_N |= torch.isin(token_N, stop_t) & sampled_N
             if tools is not None:
-                for r in (sampled_N & (token_N == tools.end_id)).nonzero().flatten().tolist():
-                    if turns[r] == tools.max_turns:
-                        done_N[r] = True
-                        continue
+                calls = (sampled_N & (token_N == tools.end_id)).nonzero().flatten().tolist()
+                done_N[[r for r in calls if turns[r] == tools.max_turns]] = True
+                calls = [r for r in calls if turns[r] < tools.max_turns]
+                for r, response in zip(calls, tools.respond([out_NC[r, :step + 1].tolist() for r in calls])):
                     turns[r] += 1
-                    queues[r] = tools.respond(out_NC[r, :step + 1].tolist())
+                    queues[r] = response
             steps = step + 1
             if steps == max_new_tokens or _all_done(done_N, group):
                 break

@@ -1,7 +1,7 @@
 """Tools for multi-turn rollouts (task=grpo with rl.tools): a tool is a Python callable that takes a call's JSON
 arguments as keyword arguments and returns text. `ToolRunner` is what the rollout asks at each `</tool_call>`: it
-parses the call, runs the tool in a daemon thread under rl.tool_timeout_s (a hung tool is left behind, never
-waited for), and returns the tool response as tokens in the chat template's own format (the template's rendering
+parses the calls of a decode step, runs them at once in daemon threads under rl.tool_timeout_s (a hung tool is
+left behind, never waited for), and returns the tool response as tokens in the chat template's own format (the template's rendering
 of a tool message after an assistant tool call, and the next assistant turn's opening). A tool that raises, hangs
 or returns non-text answers with an error text and counts in `errors`.
 
@@ -14,6 +14,7 @@ import json
 import operator
 import re
 import threading
+import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
@@ -48,52 +49,60 @@ def calculator(expression: str) -> str:
     return str(int(v)) if isinstance(v, float) and v.is_integer() and abs(v) < 1e15 else str(v)
 
 
-_CALL = re.compile(r"<tool_call>(.*?)</tool_call>\s*$", re.DOTALL)
-
-
-def call_with_timeout(fn: Callable, kwargs: dict, timeout_s: float):
-    """fn(**kwargs) in a daemon thread: its result, or raises TimeoutError after timeout_s (the thread is left to
-    finish or hang on its own; it never blocks the run or its exit)."""
-    box = {}
-
-    def target():
-        try:
-            box["value"] = fn(**kwargs)
-        except BaseException as e:  # noqa: BLE001 - reported to the model, whatever it is
-            box["error"] = e
-
-    thread = threading.Thread(target=target, daemon=True, name="speedllm-tool")
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise TimeoutError(f"no answer within {timeout_s:g} s")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
-def run_call(tools: Dict[str, Callable], text: str, timeout_s: float, max_chars: int) -> tuple:
-    """(response text, whether it is an error) for the tool call that ends `text`."""
-    match = _CALL.search(text)
+def parse_call(tools: Dict[str, Callable], text: str) -> tuple:
+    """(tool, its keyword arguments) of the last `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in
+    `text`, or (None, the error text for the model)."""
+    body = text[text.rfind("<tool_call>") + len("<tool_call>"):].rpartition("</tool_call>")[0]
     try:
-        call = json.loads(match.group(1)) if match else None
-        if not isinstance(call, dict) or "name" not in call:
-            return 'error: a tool call is {"name": <tool>, "arguments": {...}} in JSON', True
-        name, args = call["name"], call.get("arguments", {})
-        if isinstance(args, str):
-            args = json.loads(args)
-        if name not in tools:
-            return f"error: no tool named {name!r} (tools: {', '.join(sorted(tools))})", True
-        if not isinstance(args, dict):
-            return "error: arguments must be a JSON object", True
-        value = call_with_timeout(tools[name], args, timeout_s)
-    except BaseException as e:  # noqa: BLE001 - a tool's failure is the model's answer, never the run's
-        if isinstance(e, (KeyboardInterrupt,)):
-            raise
-        return f"error: {type(e).__name__}: {e}"[:max_chars], True
-    if not isinstance(value, str):
-        return f"error: the tool returned {type(value).__name__}, not text", True
-    return value[:max_chars], False
+        call = json.loads(body) if "<tool_call>" in text else None
+        args = call.get("arguments", {}) if isinstance(call, dict) else None
+        args = json.loads(args) if isinstance(args, str) else args
+    except ValueError as e:
+        return None, f"error: the tool call is not valid JSON ({e})"
+    if not isinstance(call, dict) or "name" not in call:
+        return None, 'error: a tool call is {"name": <tool>, "arguments": {...}} in JSON'
+    if call["name"] not in tools:
+        return None, f"error: no tool named {call['name']!r} (tools: {', '.join(sorted(tools))})"
+    if not isinstance(args, dict):
+        return None, "error: arguments must be a JSON object"
+    return tools[call["name"]], args
+
+
+def run_calls(tools: Dict[str, Callable], texts: Sequence[str], timeout_s: float, max_chars: int) -> List[tuple]:
+    """(response text, whether it is an error) for the tool call that ends each of `texts`. The calls run at once,
+    each in a daemon thread, for timeout_s together: a call still running then is left behind (it never blocks
+    the run or its exit) and answers a timeout error."""
+    boxes, threads = [], []
+    for text in texts:
+        fn, args = parse_call(tools, text)
+        box = {"error": args} if fn is None else {}
+
+        def target(fn=fn, args=args, box=box):
+            try:
+                box["value"] = fn(**args)
+            except BaseException as e:  # noqa: BLE001 - reported to the model, whatever it is
+                box["error"] = f"error: {type(e).__name__}: {e}"
+
+        thread = threading.Thread(target=target, daemon=True, name="speedllm-tool") if fn is not None else None
+        if thread is not None:
+            thread.start()
+        boxes.append(box)
+        threads.append(thread)
+    deadline = time.monotonic() + timeout_s
+    out = []
+    for box, thread in zip(boxes, threads):
+        if thread is not None:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                box = {"error": f"error: TimeoutError: no answer within {timeout_s:g} s"}
+        value = box.get("value")
+        if "error" in box:
+            out.append((box["error"][:max_chars], True))
+        elif not isinstance(value, str):
+            out.append((f"error: the tool returned {type(value).__name__}, not text", True))
+        else:
+            out.append((value[:max_chars], False))
+    return out
 
 
 def response_template(tokenizer, **template_kwargs) -> tuple:
@@ -120,13 +129,15 @@ class ToolRunner:
         self.errors = 0
         self.calls = 0
 
-    def respond(self, completion_ids: Sequence[int]) -> List[int]:
-        """The tokens that answer the tool call ending completion_ids (the row's completion so far)."""
-        text = self.tokenizer.decode(list(completion_ids), skip_special_tokens=False)
-        response, error = run_call(self.tools, text, self.timeout_s, self.max_chars)
-        self.calls += 1
-        self.errors += error
-        return self.tokenizer.encode(self.before + response + self.after, add_special_tokens=False)
+    def respond(self, completions: Sequence[Sequence[int]]) -> List[List[int]]:
+        """The tokens that answer the tool call ending each of `completions` (rows' completion ids so far)."""
+        texts = [self.tokenizer.decode(list(ids), skip_special_tokens=False) for ids in completions]
+        out = []
+        for response, error in run_calls(self.tools, texts, self.timeout_s, self.max_chars):
+            self.calls += 1
+            self.errors += error
+            out.append(self.tokenizer.encode(self.before + response + self.after, add_special_tokens=False))
+        return out
 
 
 def build_tools(entries) -> Dict[str, Callable]:
