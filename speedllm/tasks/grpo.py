@@ -47,9 +47,9 @@ from speedllm.train.build import build_training, frozen_reference, training_loop
 from speedllm.train.faults import BadSteps, Preemption
 from speedllm.train.policy_loss import group_advantages, policy_loss, rollout_correction
 from speedllm.train.rewards import length_penalty
-from speedllm.train.tools import ToolRunner, build_tools, conversation
 from speedllm.train.state import extra_state
 from speedllm.train.step import optimizer_update
+from speedllm.train.tools import ToolRunner, build_tools, conversation
 
 
 def build_rewards(rl) -> list:

@@ -1,9 +1,9 @@
 """Tools for multi-turn rollouts (task=grpo with rl.tools): a tool is a Python callable that takes a call's JSON
 arguments as keyword arguments and returns text. `ToolRunner` is what the rollout asks at each `</tool_call>`: it
 parses the calls of a decode step, runs them at once in daemon threads under rl.tool_timeout_s (a hung tool is
-left behind, never waited for), and returns the tool response as tokens in the chat template's own format (the template's rendering
-of a tool message after an assistant tool call, and the next assistant turn's opening). A tool that raises, hangs
-or returns non-text answers with an error text and counts in `errors`.
+left behind, never waited for), and returns each response as tokens in the chat template's own format (the
+template's rendering of a tool message after an assistant tool call, and the next assistant turn's opening). A
+tool that raises, hangs or returns non-text answers with an error text and counts in `errors`.
 
 `calculator` is the built-in tool: arithmetic on numbers with + - * / // % ** and unary minus, by walking the
 parsed expression (no eval), with limits on the expression's length, exponents and result size.
