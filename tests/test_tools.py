@@ -159,3 +159,33 @@ def test_the_last_call_of_a_conversation_is_run_and_bad_calls_answer_errors():
     assert out[3][0] == "error: ZeroDivisionError: division by zero"
     assert out[4][0] == "error: the tool returned int, not text"
     assert run_calls({"calculator": calculator}, texts[3:4], 1.0, 12) == [("error: ZeroD", True)]  # tool_max_chars
+
+
+def rank_name(expression: str) -> str:
+    """A tool that answers differently on each rank (and late on rank 1)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(2)
+    return f"rank {dist.get_rank()}"
+
+
+def _tp_ranks(rank, path, out):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+    tok = load_tokenizer(str(DEMO_TOKENIZER))
+    runner = ToolRunner({"calculator": rank_name}, tok, max_turns=1, timeout_s=1.0, max_chars=50,
+                        group=dist.group.WORLD)
+    call = tok.encode('<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}</tool_call>',
+                      add_special_tokens=False)
+    out[rank] = (tok.decode(runner.respond([call])[0]), runner.errors)
+    dist.destroy_process_group()
+
+
+def test_tensor_parallel_ranks_get_the_first_ranks_answers(tmp_path):
+    import torch.multiprocessing as mp
+
+    out = mp.Manager().dict()
+    mp.spawn(_tp_ranks, args=(str(tmp_path / "store"), out), nprocs=2)
+    assert out[0] == out[1] and "\nrank 0\n</tool_response>" in out[0][0] and out[0][1] == 0

@@ -141,8 +141,9 @@ class Sampler:
         self.dtype = DTYPES[cfg.hardware.dtype]
         self.tools = None
         if cfg.rl.tools:
+            _, tp_size, tp_group = rt.dims.coords("tp")
             self.tools = ToolRunner(build_tools(cfg.rl.tools), tokenizer, cfg.rl.max_turns, cfg.rl.tool_timeout_s,
-                                    cfg.rl.tool_max_chars)
+                                    cfg.rl.tool_max_chars, tp_group if tp_size > 1 else None)
 
     def sample(self, model) -> tuple:
         """(Rollout of this rank's rows, rewards_NF of all rows, this rank's first row, completion texts of all

@@ -17,6 +17,8 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
+import torch.distributed as dist
+
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 MAX_EXPRESSION = 200  # characters
@@ -121,8 +123,11 @@ def response_template(tokenizer, **template_kwargs) -> tuple:
 class ToolRunner:
     """What a rollout needs for rl.tools: the token that ends a call, and the tokens that answer it."""
 
-    def __init__(self, tools: Dict[str, Callable], tokenizer, max_turns: int, timeout_s: float, max_chars: int):
-        self.tools, self.tokenizer = tools, tokenizer
+    def __init__(self, tools: Dict[str, Callable], tokenizer, max_turns: int, timeout_s: float, max_chars: int,
+                 group=None):
+        """group: ranks that sample the same rows (a tensor-parallel group): its first rank runs the calls and
+        sends every rank the same answers, so a tool that is late on one rank cannot feed them different tokens."""
+        self.tools, self.tokenizer, self.group = tools, tokenizer, group
         self.max_turns, self.timeout_s, self.max_chars = max_turns, timeout_s, max_chars
         self.end_id = tokenizer.convert_tokens_to_ids("</tool_call>")
         self.before, self.after = response_template(tokenizer)
@@ -131,9 +136,18 @@ class ToolRunner:
 
     def respond(self, completions: Sequence[Sequence[int]]) -> List[List[int]]:
         """The tokens that answer the tool call ending each of `completions` (rows' completion ids so far)."""
+        if not completions:
+            return []
         texts = [self.tokenizer.decode(list(ids), skip_special_tokens=False) for ids in completions]
+        if self.group is None:
+            answers = run_calls(self.tools, texts, self.timeout_s, self.max_chars)
+        else:  # every rank of the group has the same calls at the same step: a matched collective
+            box = [run_calls(self.tools, texts, self.timeout_s, self.max_chars) if dist.get_rank(self.group) == 0
+                   else None]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+            answers = box[0]
         out = []
-        for response, error in run_calls(self.tools, texts, self.timeout_s, self.max_chars):
+        for response, error in answers:
             self.calls += 1
             self.errors += error
             out.append(self.tokenizer.encode(self.before + response + self.after, add_special_tokens=False))
