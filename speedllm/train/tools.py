@@ -101,20 +101,20 @@ def run_calls(tools: Dict[str, Callable], texts: Sequence[str], timeout_s: float
         if "error" in box:
             out.append((box["error"][:max_chars], True))
         elif not isinstance(value, str):
-            out.append((f"error: the tool returned {type(value).__name__}, not text", True))
+            out.append((f"error: the tool returned {type(value).__name__}, not text"[:max_chars], True))
         else:
             out.append((value[:max_chars], False))
     return out
 
 
-def response_template(tokenizer, **template_kwargs) -> tuple:
+def response_template(tokenizer) -> tuple:
     """(before, after): the text the chat template puts between an assistant turn's `</tool_call>` and a tool
     message's content, and between that content and the next assistant turn's first token."""
     mark = "\x00TOOL\x00"
     call = {"type": "function", "function": {"name": "t", "arguments": {}}}
     messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]},
                 {"role": "tool", "content": mark}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     end = text.index("</tool_call>") + len("</tool_call>")
     before, after = text[end:].split(mark)
     return before, after
