@@ -109,6 +109,8 @@ def test_bad_prompts_and_settings_exit_2_before_launch(tmp_path, launch):
          f"{long}:1: the prompt is 82 tokens; with rl.max_new_tokens=6 it needs 88 positions, more than the "
          "model's 64"),
         (["rl.rewards=[{_target_: nowhere.fn}]"], "rl.rewards[0]._target_=nowhere.fn cannot be imported"),
+        (["rl.tools=[{_target_: nowhere.fn}]"], "rl.tools[0]._target_=nowhere.fn cannot be imported"),
+        (["rl.tool_timeout_s=0"], "rl.tool_timeout_s=0"),
         (["parallel=fsdp2", "rl.prompts_per_step=3"], "rl.prompts_per_step=3 must be divisible by parallel.dp=2"),
     ]
     for overrides, message in cases:

@@ -175,15 +175,17 @@ def check_rl(cfg: DictConfig) -> None:
                         "use a smaller buffer")
     if not rl.rewards:
         raise UserError("task=grpo needs reward functions: rl.rewards=[{_target_: module.fn, weight: 1.0}]")
-    for i, entry in enumerate(rl.rewards):
+    for key, i, entry in [("rewards", i, e) for i, e in enumerate(rl.rewards)] + \
+            [("tools", i, e) for i, e in enumerate(rl.tools)]:
         if not OmegaConf.is_dict(entry) or "_target_" not in entry:
-            raise UserError(f"rl.rewards[{i}]={entry} needs _target_: module.fn (and optionally weight)")
+            raise UserError(f"rl.{key}[{i}]={entry} needs _target_: module.fn"
+                            + (" (and optionally weight)" if key == "rewards" else ""))
         try:
             get_method(entry["_target_"])
         except Exception as e:  # hydra wraps import and attribute errors alike
-            raise UserError(f"rl.rewards[{i}]._target_={entry['_target_']} cannot be imported "
+            raise UserError(f"rl.{key}[{i}]._target_={entry['_target_']} cannot be imported "
                             f"({str(e).splitlines()[0]}); name a function module.fn on the Python path") from None
-        if not _finite(entry.get("weight", 1.0)):
+        if key == "rewards" and not _finite(entry.get("weight", 1.0)):
             raise UserError(f"rl.rewards[{i}].weight={entry.get('weight')} must be a finite number")
     if cfg.data.input is None:
         raise UserError("task=grpo needs data.input=<json/jsonl of {prompt, ...} records> (or data=rl_demo)")
@@ -192,4 +194,7 @@ def check_rl(cfg: DictConfig) -> None:
     from speedllm.models.rope import max_positions
 
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.trust_remote_code)
+    if rl.tools and tokenizer.convert_tokens_to_ids("</tool_call>") in (None, tokenizer.unk_token_id):
+        raise UserError(f"rl.tools: the tokenizer {cfg.data.tokenizer} has no </tool_call> token to end a call; use a "
+                        "Qwen3 tokenizer or leave rl.tools empty")
     load_prompts(cfg.data.input, tokenizer, max_positions(cfg.model) - rl.max_new_tokens, rl.max_new_tokens)

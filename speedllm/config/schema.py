@@ -321,6 +321,12 @@ class RLConfig:
     rollout_correction_threshold: float = 2.0  # C: tis truncates the ratio at C; mis drops tokens outside [1/C, C]
     rewards: List[Any] = field(default_factory=list)  # [{_target_: module.fn, weight: 1.0}, ...], TRL's signature
     num_samples: int = 2  # completions printed (with their rewards) every train.log_every
+    # multi-turn tool use: [{_target_: module.fn}, ...], each a callable of a call's JSON arguments returning text
+    # (speedllm.train.tools.calculator is built in); [] = single-turn completions
+    tools: List[Any] = field(default_factory=list)
+    max_turns: int = 4  # tool calls per completion; a `</tool_call>` after that ends it
+    tool_timeout_s: float = 10.0  # a tool that has not answered by then answers an error (rl/tool_errors)
+    tool_max_chars: int = 2000  # a tool's answer is cut to this many characters
 
 
 @dataclass

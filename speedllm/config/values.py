@@ -149,6 +149,9 @@ VALUE_RULES = {
     "rl.clip_high": _at_least(0),
     "rl.overlong_penalty": _at_least(0),
     "rl.rollout_correction_threshold": _above(1),
+    "rl.max_turns": _at_least(0),
+    "rl.tool_timeout_s": _above(0),
+    "rl.tool_max_chars": _above(0),
 }
 
 

@@ -19,6 +19,8 @@ A Rollout's layout (rows prompt-major: row i*n + j is completion j of prompt i):
     routes        [L, N, P + C, k] or None   for MoE models the experts each token used in each of the L MoE
                               layers (-1 where no forward saw the token: the last column); pass to
                               speedllm.models.moe.replay_routes around the training forward (router replay)
+    tool_mask     [N, C] or None  with tools (speedllm.train.tools.ToolRunner): 1.0 = a tool-response token the
+                              rollout appended (attended, but 0 in completion_mask and logprobs: no loss)
 
 Sampling is reproducible per prompt: prompt i draws from its own generators[i], so its completions do not
 depend on which other prompts share the batch or the rank (a data-parallel split samples what one process does).
@@ -51,6 +53,7 @@ class Rollout:
     logprobs: torch.Tensor
     truncated: torch.Tensor
     routes: Optional[torch.Tensor] = None
+    tool_mask: Optional[torch.Tensor] = None
 
     @property
     def prompt_width(self) -> int:
@@ -59,14 +62,19 @@ class Rollout:
 
     def completion_ids(self) -> List[List[int]]:
         """Each row's completion token ids (its stop token included)."""
-        lengths = self.completion_mask.sum(dim=1).long().tolist()
+        lengths = self.live_mask().sum(dim=1).long().tolist()
         return [row[:n] for row, n in zip(self.tokens[:, self.prompt_width:].tolist(), lengths)]
+
+    def live_mask(self) -> torch.Tensor:
+        """[N, C] 1.0 = a completion column holding a token (sampled or a tool's)."""
+        return self.completion_mask if self.tool_mask is None else self.completion_mask + self.tool_mask
 
     def select(self, rows) -> "Rollout":
         """The rows `rows` (an index tensor, list or slice) as a Rollout of their own."""
         routes = None if self.routes is None else self.routes[:, rows]
+        tool_mask = None if self.tool_mask is None else self.tool_mask[rows]
         return Rollout(self.tokens[rows], self.attention_mask[rows], self.position_ids[rows], self.prompt_lens[rows],
-                       self.completion_mask[rows], self.logprobs[rows], self.truncated[rows], routes)
+                       self.completion_mask[rows], self.logprobs[rows], self.truncated[rows], routes, tool_mask)
 
 
 def policy_temperature(sampling: Sampling) -> float:
@@ -121,6 +129,7 @@ def rollout(
     dtype: torch.dtype,
     tp: int = 1,
     group=None,
+    tools=None,
 ) -> Rollout:
     """Sample `n` completions of each prompt with `model` (batched, KV cache) and record them as a Rollout.
 
@@ -135,6 +144,10 @@ def rollout(
         tp: tensor-parallel degree (the cache holds this rank's share of the kv heads).
         group: the process group whose ranks run these forwards together (their prompts may differ): decoding
             stops when all of them are done. None: this process alone (or ranks with the same prompts).
+        tools: a speedllm.train.tools.ToolRunner, or None. A row that samples its `</tool_call>` (within
+            tools.max_turns calls) gets the tool's response tokens next, one per decode step through the same
+            cache (no re-tokenization), recorded with tool_mask 1 and no log-probability; after max_turns calls a
+            `</tool_call>` ends the row.
     """
     cfg = model.cfg
     device = next(model.parameters()).device
@@ -149,6 +162,9 @@ def rollout(
     logprobs_NC = torch.zeros((N, max_new_tokens), dtype=torch.float32, device=device)
     live_NC = torch.zeros((N, max_new_tokens), dtype=torch.float32, device=device)
     done_N = torch.zeros(N, dtype=torch.bool, device=device)
+    tool_NC = torch.zeros((N, max_new_tokens), dtype=torch.float32, device=device)
+    queues = [[] for _ in range(N)]  # tool-response tokens each row feeds next
+    turns = [0] * N
     padded = any(len(p) < P for p in rows)
     steps = 0
     with record_routes(model) if model.has_moe else contextlib.nullcontext([]) as tapes:
@@ -158,11 +174,26 @@ def rollout(
         position_N1 = positions_NP[:, -1:]
         for step in range(max_new_tokens):
             token_N = torch.where(done_N, pad_id, _draw(logits_NV, sampling, generators, n))
+            forced_N = torch.zeros(N, dtype=torch.bool, device=device)
+            if tools is not None:
+                forced = [r for r in range(N) if queues[r]]
+                if forced:
+                    forced_N[forced] = True
+                    token_N[forced] = torch.tensor([queues[r].pop(0) for r in forced], device=device)
             logprob_N, _ = token_logprobs(logits_NV, token_N, temperature)
-            live_NC[:, step] = (~done_N).float()
-            logprobs_NC[:, step] = torch.where(done_N, 0.0, logprob_N)
+            sampled_N = ~done_N & ~forced_N
+            live_NC[:, step] = sampled_N.float()
+            tool_NC[:, step] = forced_N.float()
+            logprobs_NC[:, step] = torch.where(sampled_N, logprob_N, 0.0)
             out_NC[:, step] = token_N
-            done_N |= torch.isin(token_N, stop_t)
+            done_N |= torch.isin(token_N, stop_t) & sampled_N
+            if tools is not None:
+                calls = (sampled_N & (token_N == tools.end_id)).nonzero().flatten().tolist()
+                done_N[[r for r in calls if turns[r] == tools.max_turns]] = True
+                calls = [r for r in calls if turns[r] < tools.max_turns]
+                for r, response in zip(calls, tools.respond([out_NC[r, :step + 1].tolist() for r in calls])):
+                    turns[r] += 1
+                    queues[r] = response
             steps = step + 1
             if steps == max_new_tokens or _all_done(done_N, group):
                 break
@@ -170,7 +201,8 @@ def rollout(
             logits_NV = model(token_N[:, None], position_ids=position_N1, kv_cache=cache)[:, -1]
 
     completion_mask = live_NC[:, :steps]
-    attention_mask = torch.cat([mask_NP, completion_mask.long()], dim=1)
+    tool_mask = tool_NC[:, :steps] if tools is not None else None
+    attention_mask = torch.cat([mask_NP, (completion_mask + tool_NC[:, :steps]).long()], dim=1)
     completion_positions = mask_NP.sum(dim=1, keepdim=True) + torch.arange(steps, device=device)
     routes = None
     if tapes:
@@ -186,6 +218,7 @@ def rollout(
         logprobs=logprobs_NC[:, :steps],
         truncated=~done_N,
         routes=routes,
+        tool_mask=tool_mask,
     )
 
 
@@ -216,8 +249,10 @@ def concat(parts: Sequence[Rollout], pad_id: int) -> Rollout:
             routes = torch.nn.functional.pad(p.routes, (0, 0, left, right), value=-1)
         out.append(Rollout(widen(p.tokens, left, right, pad_id), widen(p.attention_mask, left, right, 0),
                            widen(p.position_ids, left, right, 0), p.prompt_lens, widen(p.completion_mask, 0, right, 0),
-                           widen(p.logprobs, 0, right, 0), p.truncated, routes))
+                           widen(p.logprobs, 0, right, 0), p.truncated, routes,
+                           None if p.tool_mask is None else widen(p.tool_mask, 0, right, 0)))
     routes = None if out[0].routes is None else torch.cat([o.routes for o in out], dim=1)
+    tool_mask = None if out[0].tool_mask is None else torch.cat([o.tool_mask for o in out])
     return Rollout(*(torch.cat([getattr(o, f) for o in out]) for f in
                      ("tokens", "attention_mask", "position_ids", "prompt_lens", "completion_mask", "logprobs",
-                      "truncated")), routes)
+                      "truncated")), routes, tool_mask)

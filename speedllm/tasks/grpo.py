@@ -49,6 +49,7 @@ from speedllm.train.policy_loss import group_advantages, policy_loss, rollout_co
 from speedllm.train.rewards import length_penalty
 from speedllm.train.state import extra_state
 from speedllm.train.step import optimizer_update
+from speedllm.train.tools import ToolRunner, build_tools, conversation
 
 
 def build_rewards(rl) -> list:
@@ -138,6 +139,11 @@ class Sampler:
         self.stop_ids, self.pad_id = stop_ids_of(tokenizer), pad_id_of(tokenizer)
         self.sampling = Sampling(temperature=float(cfg.rl.temperature), top_p=float(cfg.rl.top_p))
         self.dtype = DTYPES[cfg.hardware.dtype]
+        self.tools = None
+        if cfg.rl.tools:
+            _, tp_size, tp_group = rt.dims.coords("tp")
+            self.tools = ToolRunner(build_tools(cfg.rl.tools), tokenizer, cfg.rl.max_turns, cfg.rl.tool_timeout_s,
+                                    cfg.rl.tool_max_chars, tp_group if tp_size > 1 else None)
 
     def sample(self, model) -> tuple:
         """(Rollout of this rank's rows, rewards_NF of all rows, this rank's first row, completion texts of all
@@ -154,15 +160,20 @@ class Sampler:
         with self.autocast:
             ro = rollout(model, [self.data.ids[i] for i in mine], rl.group_size, rl.max_new_tokens, self.sampling,
                          generators, self.stop_ids, self.pad_id, self.dtype, tp=self.cfg.parallel.tp,
-                         group=self.world)
+                         group=self.world, tools=self.tools)
         model.train(was_training)
         ids = gather_lists(ro.completion_ids(), self.dp_group)
         prompt_of_row = [i for i in prompt_ids for _ in range(rl.group_size)]
         texts = [self.tokenizer.decode([t for t in row if t not in self.stop_ids], skip_special_tokens=True)
                  for row in ids]
         prompts = [self.data.prompts[i] for i in prompt_of_row]
-        completions = [t if isinstance(p, str) else [{"role": "assistant", "content": t}]
-                       for p, t in zip(prompts, texts)]
+        if self.tools is None:
+            completions = [t if isinstance(p, str) else [{"role": "assistant", "content": t}]
+                           for p, t in zip(prompts, texts)]
+        else:  # the whole conversation, TRL's multi-turn shape
+            tool_masks = gather_lists([[int(x) for x in row[:len(ids_)]] for row, ids_ in
+                                       zip(ro.tool_mask.tolist(), ro.completion_ids())], self.dp_group)
+            completions = [conversation(self.tokenizer, row, mask) for row, mask in zip(ids, tool_masks)]
         columns = {k: [v[i] for i in prompt_of_row] for k, v in self.data.columns.items()}
         rewards_NF = score(self.rewards, prompts, completions, {**columns, "completion_ids": ids}, prompt_of_row)
         return ro, rewards_NF, lo * rl.group_size, texts, prompt_of_row
@@ -364,6 +375,11 @@ def run(cfg, rt: Runtime) -> None:
                             "rl/rollout_tokens_per_s": tokens / rollout_s,
                             "rl/update_tokens_per_s": tokens * rl.ppo_epochs / update_s,
                             "rl/step_s": time.perf_counter() - began, "lr": lr, "skipped_steps": bad.total}
+                if sampler.tools is not None:  # this step's tool calls and failed ones, all ranks
+                    calls = all_reduce(torch.tensor([float(sampler.tools.calls), float(sampler.tools.errors)]),
+                                       dp_group)
+                    sampler.tools.calls = sampler.tools.errors = 0
+                    metrics |= {"rl/tool_calls": float(calls[0]), "rl/tool_errors": float(calls[1])}
                 logger.log(step, metrics)
                 if silent == step - first_step == min(SILENT_STEPS, stop_at - first_step):
                     logger.message(silent_start_notice(silent))

@@ -18,8 +18,11 @@ _THINK = re.compile(r"^\s*<think>(.*?)</think>\s*(\S.*)$", re.DOTALL)
 
 
 def completion_text(completion) -> str:
-    """The text of a completion as TRL passes it: a string, or a list of messages (the last one's content)."""
-    return completion if isinstance(completion, str) else completion[-1]["content"]
+    """The text of a completion as TRL passes it: a string, or a list of messages (the last assistant message's
+    content: a multi-turn conversation cut inside a tool's response is not answered by the tool's text)."""
+    if isinstance(completion, str):
+        return completion
+    return next((m["content"] for m in reversed(completion) if m["role"] == "assistant"), "")
 
 
 def _boxed(text: str) -> Optional[str]:
