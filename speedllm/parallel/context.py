@@ -19,7 +19,7 @@ ranks 0, 1, ..., cp-1, cp-1, ..., 1, 0, so the recurrent state (and the conv's l
 order: the rank holding chunk c runs it in chunked form from the carried state, then broadcasts the new state over
 the cp ranks (2*cp - 1 small collectives per layer, state-sized: no K/V, no relayout). The broadcasts form one chain
 on every rank, so backward sums each state's gradient onto its holder in the same order everywhere. Packed
-documents with Gated DeltaNet under cp are refused so far (a document crossing a chunk boundary).
+documents: a chunk that starts a document starts from a zero state, and conv inputs of another document are zeroed.
 
 The model's loss is summed over the cp ranks, so every cp rank returns the whole sequence's loss, while each
 rank's gradient stays its own share (the data-parallel reduction over dp x cp sums them); MoE routing
@@ -38,7 +38,6 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
-from speedllm.errors import UserError
 from speedllm.models.qwen3 import document_bounds, masked_attention, varlen_attention
 
 CP_MODES = ("allgather", "ring", "ulysses", "hybrid")
@@ -242,11 +241,8 @@ class ContextParallel:
         kwargs["labels"] = kwargs["labels"][:, mine]
         kwargs["position_ids"] = positions[:, mine]
         docs_BS = kwargs.pop("document_ids", None)
-        if docs_BS is not None and module.has_linear:
-            raise UserError("parallel.cp > 1 with packed documents on a hybrid (Gated DeltaNet) model is not "
-                            "supported yet; set data.packing=false or parallel.cp=1")
         kwargs["attend"] = self.attention(order, docs_BS)
-        kwargs["linear_mix"] = self.linear_mix
+        kwargs["linear_mix"] = partial(self.linear_mix, docs_BS=docs_BS)
         kwargs["reduce_moe_stats"] = partial(_SumOverRanks.apply, group=self.group)
         return (tokens[:, mine], *args[1:]), kwargs
 
@@ -257,11 +253,13 @@ class ContextParallel:
         ce_sum, aux = output
         return _SumOverRanks.apply(ce_sum, self.group), aux
 
-    def linear_mix(self, mixer, x_BLD, kv_cache, token_mask, document_ids, cu_seqlens):
+    def linear_mix(self, mixer, x_BLD, kv_cache, token_mask, document_ids, cu_seqlens, docs_BS):
         """A Gated DeltaNet mixer over this rank's two chunks, the state carried in sequence order (module
-        docstring)."""
+        docstring); with packed documents (`docs_BS`, the whole sequences') a chunk starting a new document
+        starts from a zero state, and the conv's past inputs of another document are zeroed."""
         B, L, _ = x_BLD.shape
-        chunks, outs = x_BLD.split(L // 2, dim=1), [None, None]
+        n = L // 2
+        chunks, outs = x_BLD.split(n, dim=1), [None, None]
         channels, width = mixer.conv1d.weight.shape[0], mixer.conv1d.weight.shape[-1]
         conv = x_BLD.new_zeros(B, channels, width - 1)
         state = x_BLD.new_zeros(B, mixer.num_v_heads, mixer.k_dim, mixer.v_dim, dtype=torch.float32)
@@ -270,8 +268,16 @@ class ContextParallel:
         for c in range(2 * self.size):
             holder, part = (c, 0) if c < self.size else (2 * self.size - 1 - c, 1)
             if holder == self.rank:
+                documents = (None, None)
+                if docs_BS is not None:
+                    docs = docs_BS[:, c * n:(c + 1) * n]
+                    documents = (docs, document_bounds(docs)[0])
+                    if c > 0:
+                        past = docs_BS[:, c * n - width + 1:c * n] == docs[:, :1]
+                        conv = conv * past[:, None].to(conv.dtype)
+                        state = state * past[:, -1, None, None, None]
                 carried = _CarriedState(conv, state)
-                outs[part] = mixer(chunks[part], carried, token_mask)
+                outs[part] = mixer(chunks[part], carried, token_mask, *documents)
                 conv, state = carried.conv, carried.state
             if c < 2 * self.size - 1:
                 conv, state = (_Broadcast.apply(t, holder, self.group) for t in (conv, state))
