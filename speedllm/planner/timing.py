@@ -146,13 +146,10 @@ def step_time(m, layout: Layout, hw, sp: StageParams, seq_len: int, global_batch
         linear = sum(kind == "linear_attention" for kind in layer_kinds(m)) / layout.pp
         # Gated DeltaNet (speedllm.parallel.context): 2cp - 1 broadcasts of the carried fp32 state and the conv's
         # last W - 1 inputs forward, as many all-reduces of their gradient backward; constant in the length
-        if linear:
-            conv = (2 * m.linear_num_key_heads * m.linear_key_head_dim + m.linear_num_value_heads
-                    * m.linear_value_head_dim) * (m.linear_conv_kernel_dim - 1) * e
-            state = m.linear_num_value_heads * m.linear_key_head_dim * m.linear_value_head_dim * 4 + conv
-            linear_volume = 2 * refwd * (2 * layout.cp - 1) * layout.micro_batch * state / layout.tp
-        else:
-            linear_volume = 0.0
+        conv = (2 * m.linear_num_key_heads * m.linear_key_head_dim + m.linear_num_value_heads
+                * m.linear_value_head_dim) * (m.linear_conv_kernel_dim - 1) * e
+        state = m.linear_num_value_heads * m.linear_key_head_dim * m.linear_value_head_dim * 4 + conv
+        linear_volume = 2 * refwd * (2 * layout.cp - 1) * layout.micro_batch * state / layout.tp
         t.cp = ((layers - linear) * volume + linear * linear_volume) * num_micro / link_bandwidth(
             hw, layout.cp * layout.tp)
     if layout.ep > 1 and m.num_experts > 0:
