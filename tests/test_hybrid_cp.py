@@ -26,9 +26,13 @@ STEPS = ["train.steps=4", "train.seq_len=128"]
 
 
 def layouts(cp: int) -> dict:
-    return {f"{kind}_cp{cp}_{mode}_{packing}": [f"parallel.cp={cp}", f"parallel.cp_mode={mode}", *extra]
-            for kind in KINDS for mode in CP_MODES for packing, extra in PACKING.items()
-            if kind == "dense" or (cp, mode, packing) == (2, "ring", "packed")}
+    out = {f"{kind}_cp{cp}_{mode}_{packing}": [f"parallel.cp={cp}", f"parallel.cp_mode={mode}", *extra]
+           for kind in KINDS for mode in CP_MODES for packing, extra in PACKING.items()
+           if kind == "dense" or (cp, mode, packing) == (2, "ring", "packed")}
+    if cp == 2:  # activation recompute re-runs the state's broadcasts in backward
+        out["dense_cp2_ring_recompute_packed"] = ["parallel.cp=2", "parallel.cp_mode=ring", "train.recompute=full",
+                                                  *PACKING["packed"]]
+    return out
 
 
 @pytest.fixture(scope="module")
