@@ -20,6 +20,7 @@ HEADERS = {
     "distill_memory": "distill / (sft + teacher weights) =",
     "fsdp_memory": "| ranks | measured peak MiB |",
     "gdn": "| dtype | seq | ours s | transformers s | reference s |",
+    "gdn_cp": "| cp | max rank peak MiB | / cp1 |",
     "generate": "| metric | transformers | speedllm | ratio | same ids |",
     "gpu": "| decode | qwen3_0.6b, float32, batch 8",
     "grpo": "ours / trl: steps/s",

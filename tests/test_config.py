@@ -357,8 +357,6 @@ LAYOUT_ERRORS = {
         "parallel.tp=8 does not divide num_attention_heads=4 of model qwen3_tiny; use tp in {1, 2}",
     ("qwen3_tiny", "tp8_pp2_vpp8"):
         "parallel.tp=8 does not divide num_attention_heads=4 of model qwen3_tiny; use tp in {1, 2}",
-    ("qwen3_5_0.8b", "cp2"):
-        "parallel.cp=2: the hybrid model qwen3_5_0.8b (Qwen3.5 / Qwen3-Next) runs under data parallelism (dp, FSDP) only so far; set parallel.tp, pp, ep and cp to 1",
     ("qwen3_5_0.8b", "ep2"):
         "parallel.ep=2 needs a MoE model but qwen3_5_0.8b is dense; set parallel.ep=1",
     ("qwen3_5_0.8b", "fsdp2_tp2"):
@@ -383,8 +381,6 @@ LAYOUT_ERRORS = {
         "parallel.tp=8 does not divide num_key_value_heads=2 of model qwen3_5_0.8b; use tp in {1, 2}",
     ("qwen3_5_0.8b", "tp8_pp2_vpp8"):
         "parallel.tp=8 does not divide num_key_value_heads=2 of model qwen3_5_0.8b; use tp in {1, 2}",
-    ("qwen3_5_122b_a10b", "cp2"):
-        "parallel.cp=2: the hybrid model qwen3_5_122b_a10b (Qwen3.5 / Qwen3-Next) runs under data parallelism (dp, FSDP) only so far; set parallel.tp, pp, ep and cp to 1",
     ("qwen3_5_122b_a10b", "ep2"):
         "parallel.ep=2: the hybrid model qwen3_5_122b_a10b (Qwen3.5 / Qwen3-Next) runs under data parallelism (dp, FSDP) only so far; set parallel.tp, pp, ep and cp to 1",
     ("qwen3_5_122b_a10b", "fsdp2_tp2"):
@@ -409,8 +405,6 @@ LAYOUT_ERRORS = {
         "parallel.tp=8 does not divide num_key_value_heads=2 of model qwen3_5_122b_a10b; use tp in {1, 2}",
     ("qwen3_5_122b_a10b", "tp8_pp2_vpp8"):
         "parallel.tp=8 does not divide num_key_value_heads=2 of model qwen3_5_122b_a10b; use tp in {1, 2}",
-    ("qwen3_5_27b", "cp2"):
-        "parallel.cp=2: the hybrid model qwen3_5_27b (Qwen3.5 / Qwen3-Next) runs under data parallelism (dp, FSDP) only so far; set parallel.tp, pp, ep and cp to 1",
     ("qwen3_5_27b", "ep2"):
         "parallel.ep=2 needs a MoE model but qwen3_5_27b is dense; set parallel.ep=1",
     ("qwen3_5_27b", "fsdp2_tp2"):
@@ -435,8 +429,6 @@ LAYOUT_ERRORS = {
         "parallel.tp=8 does not divide num_key_value_heads=4 of model qwen3_5_27b; use tp in {1, 2, 4}",
     ("qwen3_5_27b", "tp8_pp2_vpp8"):
         "parallel.tp=8 does not divide num_key_value_heads=4 of model qwen3_5_27b; use tp in {1, 2, 4}",
-    ("qwen3_5_2b", "cp2"):
-        "parallel.cp=2: the hybrid model qwen3_5_2b (Qwen3.5 / Qwen3-Next) runs under data parallelism (dp, FSDP) only so far; set parallel.tp, pp, ep and cp to 1",
     ("qwen3_5_2b", "ep2"):
         "parallel.ep=2 needs a MoE model but qwen3_5_2b is dense; set parallel.ep=1",
     ("qwen3_5_2b", "fsdp2_tp2"):
@@ -461,8 +453,6 @@ LAYOUT_ERRORS = {
         "parallel.tp=8 does not divide num_key_value_heads=2 of model qwen3_5_2b; use tp in {1, 2}",
     ("qwen3_5_2b", "tp8_pp2_vpp8"):
         "parallel.tp=8 does not divide num_key_value_heads=2 of model qwen3_5_2b; use tp in {1, 2}",
-    ("qwen3_5_35b_a3b", "cp2"):
-        "parallel.cp=2: the hybrid model qwen3_5_35b_a3b (Qwen3.5 / Qwen3-Next) runs under data parallelism (dp, FSDP) only so far; set parallel.tp, pp, ep and cp to 1",
     ("qwen3_5_35b_a3b", "ep2"):
         "parallel.ep=2: the hybrid model qwen3_5_35b_a3b (Qwen3.5 / Qwen3-Next) runs under data parallelism (dp, FSDP) only so far; set parallel.tp, pp, ep and cp to 1",
     ("qwen3_5_35b_a3b", "fsdp2_tp2"):
@@ -487,8 +477,6 @@ LAYOUT_ERRORS = {
         "parallel.tp=8 does not divide num_key_value_heads=2 of model qwen3_5_35b_a3b; use tp in {1, 2}",
     ("qwen3_5_35b_a3b", "tp8_pp2_vpp8"):
         "parallel.tp=8 does not divide num_key_value_heads=2 of model qwen3_5_35b_a3b; use tp in {1, 2}",
-    ("qwen3_5_397b_a17b", "cp2"):
-        "parallel.cp=2: the hybrid model qwen3_5_397b_a17b (Qwen3.5 / Qwen3-Next) runs under data parallelism (dp, FSDP) only so far; set parallel.tp, pp, ep and cp to 1",
     ("qwen3_5_397b_a17b", "ep2"):
         "parallel.ep=2: the hybrid model qwen3_5_397b_a17b (Qwen3.5 / Qwen3-Next) runs under data parallelism (dp, FSDP) only so far; set parallel.tp, pp, ep and cp to 1",
     ("qwen3_5_397b_a17b", "fsdp2_tp2"):
@@ -513,8 +501,6 @@ LAYOUT_ERRORS = {
         "parallel.tp=8 does not divide num_key_value_heads=2 of model qwen3_5_397b_a17b; use tp in {1, 2}",
     ("qwen3_5_397b_a17b", "tp8_pp2_vpp8"):
         "parallel.tp=8 does not divide num_key_value_heads=2 of model qwen3_5_397b_a17b; use tp in {1, 2}",
-    ("qwen3_5_4b", "cp2"):
-        "parallel.cp=2: the hybrid model qwen3_5_4b (Qwen3.5 / Qwen3-Next) runs under data parallelism (dp, FSDP) only so far; set parallel.tp, pp, ep and cp to 1",
     ("qwen3_5_4b", "ep2"):
         "parallel.ep=2 needs a MoE model but qwen3_5_4b is dense; set parallel.ep=1",
     ("qwen3_5_4b", "fsdp2_tp2"):
@@ -539,8 +525,6 @@ LAYOUT_ERRORS = {
         "parallel.tp=8 does not divide num_key_value_heads=4 of model qwen3_5_4b; use tp in {1, 2, 4}",
     ("qwen3_5_4b", "tp8_pp2_vpp8"):
         "parallel.tp=8 does not divide num_key_value_heads=4 of model qwen3_5_4b; use tp in {1, 2, 4}",
-    ("qwen3_5_9b", "cp2"):
-        "parallel.cp=2: the hybrid model qwen3_5_9b (Qwen3.5 / Qwen3-Next) runs under data parallelism (dp, FSDP) only so far; set parallel.tp, pp, ep and cp to 1",
     ("qwen3_5_9b", "ep2"):
         "parallel.ep=2 needs a MoE model but qwen3_5_9b is dense; set parallel.ep=1",
     ("qwen3_5_9b", "fsdp2_tp2"):
@@ -565,8 +549,6 @@ LAYOUT_ERRORS = {
         "parallel.tp=8 does not divide num_key_value_heads=4 of model qwen3_5_9b; use tp in {1, 2, 4}",
     ("qwen3_5_9b", "tp8_pp2_vpp8"):
         "parallel.tp=8 does not divide num_key_value_heads=4 of model qwen3_5_9b; use tp in {1, 2, 4}",
-    ("qwen3_5_moe_tiny", "cp2"):
-        "parallel.cp=2: the hybrid model qwen3_5_moe_tiny (Qwen3.5 / Qwen3-Next) runs under data parallelism (dp, FSDP) only so far; set parallel.tp, pp, ep and cp to 1",
     ("qwen3_5_moe_tiny", "ep2"):
         "parallel.ep=2: the hybrid model qwen3_5_moe_tiny (Qwen3.5 / Qwen3-Next) runs under data parallelism (dp, FSDP) only so far; set parallel.tp, pp, ep and cp to 1",
     ("qwen3_5_moe_tiny", "fsdp2_tp2"):
@@ -591,8 +573,6 @@ LAYOUT_ERRORS = {
         "parallel.tp=8 does not divide num_attention_heads=4 of model qwen3_5_moe_tiny; use tp in {1, 2}",
     ("qwen3_5_moe_tiny", "tp8_pp2_vpp8"):
         "parallel.tp=8 does not divide num_attention_heads=4 of model qwen3_5_moe_tiny; use tp in {1, 2}",
-    ("qwen3_5_tiny", "cp2"):
-        "parallel.cp=2: the hybrid model qwen3_5_tiny (Qwen3.5 / Qwen3-Next) runs under data parallelism (dp, FSDP) only so far; set parallel.tp, pp, ep and cp to 1",
     ("qwen3_5_tiny", "ep2"):
         "parallel.ep=2 needs a MoE model but qwen3_5_tiny is dense; set parallel.ep=1",
     ("qwen3_5_tiny", "fsdp2_tp2"):
@@ -617,8 +597,6 @@ LAYOUT_ERRORS = {
         "parallel.tp=8 does not divide num_attention_heads=4 of model qwen3_5_tiny; use tp in {1, 2}",
     ("qwen3_5_tiny", "tp8_pp2_vpp8"):
         "parallel.tp=8 does not divide num_attention_heads=4 of model qwen3_5_tiny; use tp in {1, 2}",
-    ("qwen3_next_80b_a3b", "cp2"):
-        "parallel.cp=2: the hybrid model qwen3_next_80b_a3b (Qwen3.5 / Qwen3-Next) runs under data parallelism (dp, FSDP) only so far; set parallel.tp, pp, ep and cp to 1",
     ("qwen3_next_80b_a3b", "ep2"):
         "parallel.ep=2: the hybrid model qwen3_next_80b_a3b (Qwen3.5 / Qwen3-Next) runs under data parallelism (dp, FSDP) only so far; set parallel.tp, pp, ep and cp to 1",
     ("qwen3_next_80b_a3b", "fsdp2_tp2"):

@@ -217,3 +217,20 @@ def test_host_memory_is_a_constraint():
     est = planner.estimate(Layout(micro_batch=8, recompute="full", offload="optimizer"))
     assert not est.fits and "of host memory per device" in est.reason
     assert planner.search().best is None  # 61 GiB of AdamW states alone exceed 32 GB of host RAM
+
+
+def test_gated_deltanet_cp_traffic_is_the_state_not_the_sequence():
+    """Under cp the attention layers move K/V (linear in the length), the Gated DeltaNet layers only their carried
+    state: the hybrid's cp time is the attention layers' share of an all-attention model's, plus a part constant
+    in the length."""
+    def cp_seconds(seq_len, *extra):
+        cfg = compose_config("model=qwen3_5_27b", "hardware=h100", "parallel.dp=1", "parallel.cp=4",
+                             "train.micro_batch_size=1", "train.global_batch_size=1", f"train.seq_len={seq_len}",
+                             *extra)
+        return Planner(problem_from_config(cfg, 4)).estimate(layout_from_config(cfg.parallel, cfg.train)).time.cp
+
+    attention_only = ["model.layer_types=[" + ",".join(["full_attention"] * 64) + "]"]
+    short, long = ((cp_seconds(n), cp_seconds(n, *attention_only)) for n in (8192, 32768))
+    assert long[1] == pytest.approx(4 * short[1], rel=1e-6)  # K/V: linear in the length
+    state_short, state_long = (hybrid - dense / 4 for hybrid, dense in (short, long))  # one layer in four attends
+    assert state_short > 0 and state_long == pytest.approx(state_short, rel=1e-6)

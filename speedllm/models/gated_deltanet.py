@@ -40,7 +40,8 @@ def causal_conv(x_BSC: torch.Tensor, weight_CW: torch.Tensor, past_BCW: Optional
 
     Args:
         past_BCW: the W - 1 inputs before this step (a cache), or None (zeros: the sequence starts here).
-        document_ids: [B, S] packed documents: a token's window never reaches into an earlier document.
+        document_ids: [B, S] packed documents: a token's window never reaches into an earlier document; the past
+            inputs belong to the first token's document (zeros where they do not).
     """
     B, S, C = x_BSC.shape
     W = weight_CW.shape[1]
@@ -50,7 +51,7 @@ def causal_conv(x_BSC: torch.Tensor, weight_CW: torch.Tensor, past_BCW: Optional
     for back in range(1, W):  # the tap `back` tokens before each token
         tap = padded[:, W - 1 - back:W - 1 - back + S] * weight_CW[:, W - 1 - back]
         if document_ids is not None:
-            same = torch.zeros_like(document_ids, dtype=torch.bool)
+            same = document_ids == document_ids[:, :1]  # taps into the past: the first document's tokens
             same[:, back:] = document_ids[:, back:] == document_ids[:, :-back]
             tap = tap * same[..., None]
         y = y + tap
@@ -120,8 +121,15 @@ class GatedDeltaNet(nn.Module):
             o, state = self.ops.recurrent_gated_delta_rule(q, k, v, g, beta, state)
         elif cu_seqlens is not None:  # packed rows back to back: one sequence of documents
             flat = [t.reshape(1, B * S, *t.shape[2:]) for t in (q, k, v, g, beta)]
-            o, state = self.ops.chunk_gated_delta_rule(*flat, None, cu_seqlens)
-            o = o.view(B, S, *o.shape[2:])
+            starts_BS = torch.ones_like(document_ids, dtype=torch.bool)
+            starts_BS[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+            ends = starts_BS.sum(1).cumsum(0)  # a row's documents end before its number here
+            initial = None
+            if state is not None:  # a cache's state continues each row's first document
+                initial = state.new_zeros(len(cu_seqlens) - 1, *state.shape[1:])
+                initial = initial.index_copy(0, ends - starts_BS.sum(1), state)
+            o, state = self.ops.chunk_gated_delta_rule(*flat, initial, cu_seqlens)
+            o, state = o.view(B, S, *o.shape[2:]), state[ends - 1]
         else:
             o, state = self.ops.chunk_gated_delta_rule(q, k, v, g, beta, state, None)
         if kv_cache is not None:

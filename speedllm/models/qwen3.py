@@ -11,6 +11,7 @@ A pipeline splitter may set `embed_tokens`, `norm`, `lm_head` to None and delete
 forward then takes / returns hidden states, and for MoE models also the running load-balancing statistics.
 """
 
+from functools import partial
 from typing import Callable
 
 import torch
@@ -148,12 +149,15 @@ class DecoderLayer(nn.Module):
         self.is_moe = is_moe_layer(cfg, layer_id)
         self.mlp = MoE(cfg, ops) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size, ops)
 
-    def forward(self, x_BSD, cos_BSR, sin_BSR, mask, kv_cache=None, token_mask=None, attend=None, documents=None):
+    def forward(self, x_BSD, cos_BSR, sin_BSR, mask, kv_cache=None, token_mask=None, attend=None, documents=None,
+                linear_mix=None):
         """Returns the new hidden states and the MoE load-balancing statistics (None for a dense layer).
-        `documents`: (document_ids, cu_seqlens) of packed rows, for a Gated DeltaNet mixer."""
+        `documents`: (document_ids, cu_seqlens) of packed rows, for a Gated DeltaNet mixer; `linear_mix`:
+        (mixer, its arguments) -> its output, running it in place of a plain call (context parallelism)."""
         h = self.input_layernorm(x_BSD)
         if self.is_linear:
-            x_BSD = x_BSD + self.linear_attn(h, kv_cache, token_mask, *(documents or (None, None)))
+            mix = self.linear_attn if linear_mix is None else partial(linear_mix, self.linear_attn)
+            x_BSD = x_BSD + mix(h, kv_cache, token_mask, *(documents or (None, None)))
         else:
             x_BSD = x_BSD + self.self_attn(h, cos_BSR, sin_BSR, mask, kv_cache, attend=attend)
         h = self.post_attention_layernorm(x_BSD)
@@ -276,7 +280,7 @@ class Qwen3(nn.Module):
         return mask.expand(B, 1, S, T)
 
     def forward(self, tokens, labels=None, position_ids=None, document_ids=None, attention_mask=None, kv_cache=None,
-                attend=None, reduce_moe_stats=None, moe_stats=None, output_loss=None):
+                attend=None, reduce_moe_stats=None, moe_stats=None, output_loss=None, linear_mix=None):
         """Logits [B, S, V]; or with labels (already shifted, IGNORE_INDEX = no loss) the pair (ce_sum, aux_loss).
 
         Args:
@@ -292,6 +296,8 @@ class Qwen3(nn.Module):
             attend: (q_BSHD, k_BSKD, v_BSKD, scale) -> o_BSHD replacing every layer's attention (context
                 parallelism passes its own; `masked_attention` gives the op set's masked attention). Default:
                 the op set's varlen attention for packed documents, else its causal / masked attention.
+            linear_mix: (mixer, x_BSD, kv_cache, token_mask, document_ids, cu_seqlens) -> the Gated DeltaNet
+                mixer's output, running every such layer in its place (context parallelism passes its own).
             reduce_moe_stats: sums MoE routing statistics over the ranks sharing these sequences (context
                 parallelism), so the load-balancing loss is the whole sequences'.
             moe_stats: [3, E] running routing statistics of the MoE layers of the earlier pipeline stages
@@ -322,7 +328,7 @@ class Qwen3(nn.Module):
 
         layer_stats = [] if moe_stats is None else [unpack_stats(moe_stats)]
         for layer in self.layers.values():
-            h_BSD, stats = layer(h_BSD, cos_BSR, sin_BSR, mask, kv_cache, token_mask, attend, documents)
+            h_BSD, stats = layer(h_BSD, cos_BSR, sin_BSR, mask, kv_cache, token_mask, attend, documents, linear_mix)
             if stats is not None:
                 layer_stats.append(stats)
                 if self.training:  # here, not in the layer, which activation recompute runs twice

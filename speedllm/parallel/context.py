@@ -14,6 +14,13 @@ the hook (every cp rank has the whole batch, so it knows every token's document 
              sequence for H / cp heads with the op set's (varlen) attention           needs H % cp == 0
   hybrid     ulysses inside groups of parallel.cp_ulysses ranks, ring across them
 
+Gated DeltaNet layers (hybrid models) keep the load-balanced layout: the 2*cp chunks in sequence order are held by
+ranks 0, 1, ..., cp-1, cp-1, ..., 1, 0, so the recurrent state (and the conv's last W-1 inputs) is carried in that
+order: the rank holding chunk c runs it in chunked form from the carried state, then broadcasts the new state over
+the cp ranks (2*cp - 1 small collectives per layer, state-sized: no K/V, no relayout). The broadcasts form one chain
+on every rank, so backward sums each state's gradient onto its holder in the same order everywhere. Packed
+documents: a chunk that starts a document starts from a zero state, and conv inputs of another document are zeroed.
+
 The model's loss is summed over the cp ranks, so every cp rank returns the whole sequence's loss, while each
 rank's gradient stays its own share (the data-parallel reduction over dp x cp sums them); MoE routing
 statistics are summed the same way, so the load-balancing loss is the whole sequence's.
@@ -83,6 +90,37 @@ def _shift(x: torch.Tensor, group, step: int) -> torch.Tensor:
     for request in dist.batch_isend_irecv(ops):
         request.wait()
     return received
+
+
+class _Broadcast(torch.autograd.Function):
+    """Forward: rank `src`'s tensor on every rank of the group; backward: the gradients summed onto src."""
+
+    @staticmethod
+    def forward(ctx, x, src, group):
+        ctx.src, ctx.group = src, group
+        out = x.detach().clone().contiguous()
+        dist.broadcast(out, dist.get_global_rank(group, src), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone().contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return (grad if dist.get_rank(ctx.group) == ctx.src else torch.zeros_like(grad)), None, None
+
+
+class _CarriedState:
+    """The cache interface a Gated DeltaNet mixer reads its initial conv inputs and rule state from and writes its
+    final ones to (speedllm.models.kv_cache), for one chunk."""
+
+    def __init__(self, conv_BCW, state_BHKV):
+        self.conv, self.state = conv_BCW, state_BHKV
+
+    def linear_state(self, layer_id):
+        return self.conv, self.state
+
+    def set_linear_state(self, layer_id, conv_BCW, state_BHKV):
+        self.conv, self.state = conv_BCW, state_BHKV
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -202,7 +240,9 @@ class ContextParallel:
             positions = torch.arange(S, device=tokens.device).expand(B, S)
         kwargs["labels"] = kwargs["labels"][:, mine]
         kwargs["position_ids"] = positions[:, mine]
-        kwargs["attend"] = self.attention(order, kwargs.pop("document_ids", None))
+        docs_BS = kwargs.pop("document_ids", None)
+        kwargs["attend"] = self.attention(order, docs_BS)
+        kwargs["linear_mix"] = partial(self.linear_mix, docs_BS=docs_BS)
         kwargs["reduce_moe_stats"] = partial(_SumOverRanks.apply, group=self.group)
         return (tokens[:, mine], *args[1:]), kwargs
 
@@ -212,6 +252,37 @@ class ContextParallel:
             return output
         ce_sum, aux = output
         return _SumOverRanks.apply(ce_sum, self.group), aux
+
+    def linear_mix(self, mixer, x_BLD, kv_cache, token_mask, document_ids, cu_seqlens, docs_BS):
+        """A Gated DeltaNet mixer over this rank's two chunks, the state carried in sequence order (module
+        docstring); with packed documents (`docs_BS`, the whole sequences') a chunk starting a new document
+        starts from a zero state, and the conv's past inputs of another document are zeroed."""
+        B, L, _ = x_BLD.shape
+        n = L // 2
+        chunks, outs = x_BLD.split(n, dim=1), [None, None]
+        channels, width = mixer.conv1d.weight.shape[0], mixer.conv1d.weight.shape[-1]
+        conv = x_BLD.new_zeros(B, channels, width - 1)
+        state = x_BLD.new_zeros(B, mixer.num_v_heads, mixer.k_dim, mixer.v_dim, dtype=torch.float32)
+        if torch.is_grad_enabled():  # every rank's broadcasts are then graph nodes, so every rank runs their backward
+            conv, state = conv.requires_grad_(), state.requires_grad_()
+        for c in range(2 * self.size):
+            holder, part = (c, 0) if c < self.size else (2 * self.size - 1 - c, 1)
+            if holder == self.rank:
+                documents = (None, None)
+                if docs_BS is not None:
+                    docs = docs_BS[:, c * n:(c + 1) * n]
+                    documents = (docs, document_bounds(docs)[0])
+                    if c > 0:
+                        past = docs_BS[:, c * n - width + 1:c * n] == docs[:, :1]
+                        conv = conv * past[:, None].to(conv.dtype)
+                        state = state * past[:, -1, None, None, None]
+                carried = _CarriedState(conv, state)
+                outs[part] = mixer(chunks[part], carried, token_mask, *documents)
+                conv, state = carried.conv, carried.state
+            if c < 2 * self.size - 1:
+                conv, state = (_Broadcast.apply(t, holder, self.group) for t in (conv, state))
+        # ties the chain's end into the output on every rank, so every rank runs every broadcast's backward
+        return torch.cat(outs, dim=1) + 0 * (conv.sum() + state.sum()).to(x_BLD.dtype)
 
     def attention(self, order, docs_BS):
         """`attend` for one sharded forward; `order` holds the sequence positions of all ranks, rank by rank."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from speedllm.hardware import DTYPES
+from speedllm.models.kv_cache import layer_kinds
 from speedllm.models.qwen3 import is_moe_layer
 from speedllm.planner.layout import Layout
 from speedllm.planner.memory import MASTER_BYTES, StageParams, config_key, model_of_key
@@ -142,7 +143,15 @@ def step_time(m, layout: Layout, hw, sp: StageParams, seq_len: int, global_batch
     if layout.cp > 1:
         kv = 2 * m.num_key_value_heads * m.head_dim / layout.tp
         volume = 2 * refwd * (layout.cp - 1) * n * kv * e  # gather K/V forward, reduce their gradient backward
-        t.cp = volume * layers * num_micro / link_bandwidth(hw, layout.cp * layout.tp)
+        linear = sum(kind == "linear_attention" for kind in layer_kinds(m)) / layout.pp
+        # Gated DeltaNet (speedllm.parallel.context): 2cp - 1 broadcasts of the carried fp32 state and the conv's
+        # last W - 1 inputs forward, as many all-reduces of their gradient backward; constant in the length
+        conv = (2 * m.linear_num_key_heads * m.linear_key_head_dim + m.linear_num_value_heads
+                * m.linear_value_head_dim) * (m.linear_conv_kernel_dim - 1) * e
+        state = m.linear_num_value_heads * m.linear_key_head_dim * m.linear_value_head_dim * 4 + conv
+        linear_volume = 2 * refwd * (2 * layout.cp - 1) * layout.micro_batch * state / layout.tp
+        t.cp = ((layers - linear) * volume + linear * linear_volume) * num_micro / link_bandwidth(
+            hw, layout.cp * layout.tp)
     if layout.ep > 1 and m.num_experts > 0:
         # dispatch + combine forward, and their gradients backward, of this rank's tokens (its sequence shard
         # under sequence parallel); an ep group is `ep` consecutive ranks of dp x cp x tp
