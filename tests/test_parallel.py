@@ -49,6 +49,9 @@ LAYOUTS = {  # name: (model, parallel overrides)
     "hybrid_fsdp2": (HYBRID, ["parallel=fsdp2"]),
     "hybrid_moe_dp2": (HYBRID_MOE, ["parallel=dp2"]),
     "hybrid_moe_fsdp2": (HYBRID_MOE, ["parallel=fsdp2"]),
+    "hybrid_pp2": (HYBRID, ["parallel=pp2"]),  # stage 0: 2 GDN layers, stage 1: GDN + gated attention
+    "hybrid_moe_pp2": (HYBRID_MOE, ["parallel=pp2"]),
+    "hybrid_moe_ep2": (HYBRID_MOE, ["parallel=ep2"]),
 }
 REFERENCES = {id(DENSE): "single", id(MOE): "single_moe", id(MOE2): "single_moe2", id(HYBRID): "single_hybrid",
               id(HYBRID_MOE): "single_hybrid_moe"}  # single-process run dirs
