@@ -23,6 +23,11 @@ DENSE = ["model=qwen3_tiny", "model.hidden_size=64", "model.intermediate_size=12
          "model.head_dim=16"]
 MOE = ["model=qwen3_moe_tiny", "model.hidden_size=64", "model.moe_intermediate_size=32",
        "model.num_hidden_layers=2", "model.head_dim=16"]
+HYBRID = ["model=qwen3_5_tiny", "model.hidden_size=64", "model.intermediate_size=128", "model.head_dim=16",
+          "model.linear_key_head_dim=16", "model.linear_value_head_dim=16"]  # 3 Gated DeltaNet layers, 1 gated attention
+HYBRID_MOE = ["model=qwen3_5_moe_tiny", "model.hidden_size=64", "model.moe_intermediate_size=32",
+              "model.shared_expert_intermediate_size=32", "model.head_dim=16", "model.linear_key_head_dim=16",
+              "model.linear_value_head_dim=16"]  # with a shared expert
 MOE2 = [*MOE, "model.num_experts=2", "model.num_experts_per_tok=1"]  # one expert per ep rank, FSDP2 shards it by rows over its 2 edp ranks
 # A constant LR after 2 warmup steps: the schedule does not depend on train.steps, so runs that stop at
 # step 5 (stop_after) and runs that go on to step 6 see the same learning rates.
@@ -40,8 +45,16 @@ LAYOUTS = {  # name: (model, parallel overrides)
     "cp2": (DENSE, ["parallel=cp2"]),
     "ep2": (MOE, ["parallel=ep2"]),
     "ep2_dp4": (MOE2, ["parallel=ep2", "parallel.dp=4"]),
+    "hybrid_dp2": (HYBRID, ["parallel=dp2"]),
+    "hybrid_fsdp2": (HYBRID, ["parallel=fsdp2"]),
+    "hybrid_moe_dp2": (HYBRID_MOE, ["parallel=dp2"]),
+    "hybrid_moe_fsdp2": (HYBRID_MOE, ["parallel=fsdp2"]),
+    "hybrid_pp2": (HYBRID, ["parallel=pp2"]),  # stage 0: 2 GDN layers, stage 1: GDN + gated attention
+    "hybrid_moe_pp2": (HYBRID_MOE, ["parallel=pp2"]),
+    "hybrid_moe_ep2": (HYBRID_MOE, ["parallel=ep2"]),
 }
-REFERENCES = {id(DENSE): "single", id(MOE): "single_moe", id(MOE2): "single_moe2"}  # single-process run dirs
+REFERENCES = {id(DENSE): "single", id(MOE): "single_moe", id(MOE2): "single_moe2", id(HYBRID): "single_hybrid",
+              id(HYBRID_MOE): "single_hybrid_moe"}  # single-process run dirs
 
 
 def run_all(jobs: dict, launch_here, launch_ranks) -> None:
@@ -110,7 +123,9 @@ def runs(tmp_path_factory, launch_here, launch_ranks):
     root = tmp_path_factory.mktemp("parallel")
     jobs = {root / "single": [*DENSE, "parallel=single", "checkpoint.every=5"],
             root / "single_moe": [*MOE, "parallel=single", "checkpoint.every=5"],
-            root / "single_moe2": [*MOE2, "parallel=single", "checkpoint.every=5"]}
+            root / "single_moe2": [*MOE2, "parallel=single", "checkpoint.every=5"],
+            root / "single_hybrid": [*HYBRID, "parallel=single", "checkpoint.every=5"],
+            root / "single_hybrid_moe": [*HYBRID_MOE, "parallel=single", "checkpoint.every=5"]}
     for name, (model, parallel) in LAYOUTS.items():
         jobs[root / name] = [*model, *parallel, "train.stop_after=5"]
     run_all(jobs, launch_here, launch_ranks)

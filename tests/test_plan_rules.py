@@ -34,7 +34,7 @@ def test_parallel_auto_builds_the_layout_it_announces_cp_mode_included(capsys):
 
 
 # (model, hardware, devices, train.seq_len, train.global_batch_size, optim): dense and MoE, 0.6B to 235B, long
-# context, a device too small without offload, Muon
+# context, a device too small without offload, Muon; the hybrid family (Qwen3.5 dense and MoE, Qwen3-Next)
 GRID = [
     ("qwen3_0.6b", "h100", 8, 4096, 64, "adamw"),
     ("qwen3_8b", "h100", 8, 32768, 16, "adamw"),
@@ -42,6 +42,9 @@ GRID = [
     ("qwen3_8b", "npu_a2", 16, 4096, 128, "muon"),
     ("qwen3_30b_a3b", "npu_a2", 16, 4096, 128, "adamw"),
     ("qwen3_235b_a22b", "h200", 32, 4096, 64, "adamw"),
+    ("qwen3_5_27b", "h100", 8, 4096, 64, "adamw"),
+    ("qwen3_5_35b_a3b", "h100", 8, 4096, 64, "adamw"),
+    ("qwen3_next_80b_a3b", "h100", 8, 4096, 64, "adamw"),
 ]
 
 

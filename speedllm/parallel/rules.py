@@ -71,11 +71,9 @@ def layout_errors(model, *, tp: int, pp: int, vpp: int, ep: int, cp: int, dp: in
             errors.append(f"parallel.ep={ep} must divide parallel.dp x parallel.cp x parallel.tp = {dp * cp * tp} "
                           f"(experts are spread over the data/context/tensor ranks); raise dp or lower ep")
     # combinations speedllm.parallel.parallelize does not build
-    if m.attention_output_gate or "linear_attention" in m.layer_types:
-        split = [f"{key}={value}" for key, value in (("tp", tp), ("pp", pp), ("ep", ep)) if value > 1]
-        if split:
-            errors.append(f"parallel.{', parallel.'.join(split)}: the hybrid model {name} (Qwen3.5 / Qwen3-Next) "
-                          "runs under data parallelism (dp, FSDP) only so far; set parallel.tp, pp, ep and cp to 1")
+    if (m.attention_output_gate or "linear_attention" in m.layer_types) and tp > 1:
+        errors.append(f"parallel.tp={tp}: the hybrid model {name} (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, "
+                      "ep and cp so far, not tp; set parallel.tp=1")
     if m.num_experts > 0 and tp > 1 and not sequence_parallel:
         errors.append(f"parallel.tp={tp} with MoE model {name} needs sequence parallel (each tp rank routes its own "
                       "tokens); set parallel.sequence_parallel=true")
