@@ -111,8 +111,13 @@ class Loader:
     def __iter__(self) -> "Loader":
         return self
 
+    @property
+    def first_index(self) -> int:
+        """The dataset index of this rank's first row in the next micro-batch."""
+        return self.consumed_samples + self.dp_rank * self.micro_batch_size
+
     def __next__(self) -> Dict[str, torch.Tensor]:
-        first = self.consumed_samples + self.dp_rank * self.micro_batch_size
+        first = self.first_index
         samples = [self.dataset[first + i] for i in range(self.micro_batch_size)]
         self.consumed_samples += self.micro_batch_size * self.dp_size
         if isinstance(samples[0], dict):

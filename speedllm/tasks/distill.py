@@ -60,9 +60,6 @@ class Sampler(NamedTuple):
     tp: int
     group: Any  # the ranks whose forwards run together (the whole job), None in one process
     seed: int
-    rows: int  # the micro-batch size
-    dp_rank: int
-    dp_size: int
 
 
 def sampler_of(cfg, rt: Runtime) -> Sampler:
@@ -70,15 +67,8 @@ def sampler_of(cfg, rt: Runtime) -> Sampler:
 
     tokenizer = tokenizer_for(cfg)
     group = dist.group.WORLD if rt.world_size > 1 else None
-    dp_rank, dp_size, _ = rt.dims.coords("dp")
     return Sampler(stop_ids_of(tokenizer), pad_id_of(tokenizer), DTYPES[cfg.hardware.dtype], rt.dims.tp, group,
-                   cfg.seed, cfg.train.micro_batch_size, dp_rank, dp_size)
-
-
-def first_sample(sampler: Sampler, consumed: int) -> int:
-    """The data's index of this rank's first row in the micro-batch the loader hands out after `consumed` samples
-    (speedllm.data.loader.Loader: each micro-batch is dp_size x rows samples in rank order)."""
-    return consumed + sampler.dp_rank * sampler.rows
+                   cfg.seed)
 
 
 _EVAL_STREAM = 1  # the held-out samples' draws: a stream of their own
@@ -105,8 +95,8 @@ def prompts_of(batch: dict) -> List[List[int]]:
 def sampled_batch(model, batch: dict, max_new_tokens: int, sampler: Sampler, first: int, *stream: int) -> dict:
     """The student's completions of the batch's prompts as a batch whose labels are the sampled tokens: tokens,
     labels, position_ids, attention_mask; right-padded to a multiple of the tensor-parallel degree (sequence
-    parallel splits the sequence). Row i is sample `first` + i of the data, whose index (and `stream`) seeds its
-    draw: the same completions whatever the layout."""
+    parallel splits the sequence). Row i is sample `first` + i of the data (the loader's first_index), whose index
+    (and `stream`) seeds its draw: the same completions whatever the layout."""
     device = batch["tokens"].device
     prompts = prompts_of(batch)
     generators = draw_generators(sampler.seed, range(first, first + len(prompts)), device, *stream)
@@ -177,13 +167,13 @@ def evaluate(pm: ParallelModel, teacher, objective: Objective, cfg, dp_rank: int
     totals = torch.zeros(1 + len(STATS), device=device)
     sampled = torch.zeros(1 + len(STATS), device=device)
     pm.eval()
-    for i, batch in zip(range(t.eval_steps), loader):
-        batch = to_device(batch, device)
+    for _ in range(t.eval_steps):
+        first = loader.first_index
+        batch = to_device(next(loader), device)
         loss_sum, _ = distill_forward(pm.module, teacher, batch, objective, totals[1:], autocast)
         totals[0] += loss_sum
         with autocast:
-            samples = sampled_batch(pm.module, batch, t.seq_len // 2, sampler,
-                                    first_sample(sampler, i * sampler.rows * sampler.dp_size), _EVAL_STREAM)
+            samples = sampled_batch(pm.module, batch, t.seq_len // 2, sampler, first, _EVAL_STREAM)
         loss_sum, _ = distill_forward(pm.module, teacher, samples, reverse_kl_objective(cfg), sampled[1:], autocast)
         sampled[0] += loss_sum
     pm.train()
@@ -206,9 +196,10 @@ def run(cfg, rt: Runtime) -> None:
         while step < stop_at:
             start = time.perf_counter()
             lr = scheduler.get_last_lr()[0]
-            firsts = [first_sample(sampler, loader.consumed_samples + i * t.micro_batch_size * dp_size)
-                      for i in range(accum)]
-            micro_batches = [to_device(next(loader), rt.device) for _ in range(accum)]
+            firsts, micro_batches = [], []
+            for _ in range(accum):
+                firsts.append(loader.first_index)
+                micro_batches.append(to_device(next(loader), rt.device))
             on_policy = is_on_policy(step + 1, cfg.distill.on_policy, cfg.seed)
             if on_policy:
                 with autocast:
