@@ -10,6 +10,7 @@ Adapters on MoE experts are PEFT's `target_parameters` on transformers' fused `m
 module once per parameter, in sorted order: down_proj's wrapper outside (`mlp.experts.lora_A.weight`),
 gate_up_proj's inside it (`mlp.experts.base_layer.lora_A.weight`). Its A [E·r, in] stacks the experts' A
 (row e·r + j), its B [out, r·E] interleaves them (column j·E + e); ours are [E, r, in] and [E, out, r].
+A B on Gated DeltaNet's in_proj_qkv has its base's rows, in our order of q, k, v (speedllm.models.hf_adapter).
 """
 
 import json
@@ -23,6 +24,7 @@ import torch
 
 from speedllm.adapters.lora import copy_full_, is_adapter, unwrapped
 from speedllm.errors import UserError
+from speedllm.models.hf_adapter import hf_rows
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -33,11 +35,11 @@ _OURS = re.compile(r"^(layers\.\d+\.mlp)\.experts\.adapter\.(lora_[AB])\.(gate_u
 _PEFTS = re.compile(r"^(layers\.\d+\.mlp)\.experts\.(base_layer\.)?(lora_[AB])\.weight$")
 
 
-def to_peft(name: str, tensor: torch.Tensor) -> tuple:
+def to_peft(name: str, tensor: torch.Tensor, model_cfg) -> tuple:
     """(PEFT's name, PEFT's tensor) of one of our adapter weights."""
     expert = _OURS.match(name)
     if expert is None:
-        return PREFIX + name, tensor
+        return PREFIX + name, hf_rows(name, tensor, model_cfg)
     prefix, side, fused = expert.groups()
     if side == "lora_A":
         tensor = tensor.reshape(-1, tensor.shape[-1])
@@ -55,9 +57,12 @@ def from_peft_name(name: str) -> str:
     return f"{prefix}.experts.adapter.{side}.{'gate_up' if inner else 'down'}"
 
 
-def from_peft_tensor(name: str, tensor: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """PEFT's tensor as ours (`name`: ours); one that does not split into `num_experts` stays as it is."""
-    if _OURS.match(name) is None or tensor.ndim != 2:
+def from_peft_tensor(name: str, tensor: torch.Tensor, model_cfg) -> torch.Tensor:
+    """PEFT's tensor as ours (`name`: ours); one that does not split into the experts stays as it is."""
+    if _OURS.match(name) is None:
+        return hf_rows(name, tensor, model_cfg, to_hf=False)
+    num_experts = model_cfg.num_experts
+    if tensor.ndim != 2:
         return tensor
     if ".lora_A." in name:  # [E·r, in] -> [E, r, in]
         return tensor if tensor.shape[0] % num_experts else tensor.reshape(num_experts, -1, tensor.shape[-1])
@@ -74,8 +79,9 @@ def adapter_config(ft, targets: List[str], base: Optional[str]) -> dict:
             "use_rslora": False, "use_dora": False, "modules_to_save": None}
 
 
-def write_peft_dir(out: str, ft, tensors: Dict[str, torch.Tensor], base: Optional[str]) -> Path:
-    """Write our adapter tensors (our names, whole tensors) as a PEFT directory; temp name, then rename."""
+def write_peft_dir(out: str, ft, tensors: Dict[str, torch.Tensor], base: Optional[str], model_cfg) -> Path:
+    """Write our adapter tensors (our names, whole tensors, of model config `model_cfg`) as a PEFT directory; temp
+    name, then rename."""
     from safetensors.torch import save_file
 
     out_path = Path(out)
@@ -84,7 +90,7 @@ def write_peft_dir(out: str, ft, tensors: Dict[str, torch.Tensor], base: Optiona
     tmp = out_path.parent / f".{out_path.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(dict(to_peft(k, v.detach().to("cpu").contiguous()) for k, v in tensors.items()),
+    save_file(dict(to_peft(k, v.detach().to("cpu").contiguous(), model_cfg) for k, v in tensors.items()),
               str(tmp / WEIGHTS), metadata={"format": "pt"})
     # the module names that were adapted (layers.0.self_attn.q_proj.lora_A.weight), not finetune.targets: on a
     # MoE model peft would map gate/up/down_proj to the experts' fused weights, adapted by target_parameters
@@ -145,7 +151,7 @@ def load_peft_adapter(modules: List[torch.nn.Module], path: str, ft) -> None:
         raise UserError(f"finetune.adapter={path}: no adapter for {missing[0]} (and {len(missing) - 1} more); the "
                         "adapter was trained on other modules — set finetune.targets to its target_modules")
     for name, param in ours.items():
-        tensor = from_peft_tensor(name, tensors[name], param.shape[0])
+        tensor = from_peft_tensor(name, tensors[name], modules[0].cfg)
         if tuple(tensor.shape) != tuple(param.shape):
             raise UserError(f"finetune.adapter={path}: {name} has shape {list(tensor.shape)} but the model "
                             f"needs {list(param.shape)}; the adapter belongs to another model")

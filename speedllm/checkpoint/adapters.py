@@ -124,7 +124,8 @@ def export_peft(ckpt: Path, out: str) -> Path:
 
     saved = read_saved_config(ckpt)
     kind, base = base_source(ckpt)
-    return write_peft_dir(out, saved.finetune, read_adapters(ckpt), base if kind == "hf" else None)
+    return write_peft_dir(out, saved.finetune, read_adapters(ckpt), base if kind == "hf" else None,
+                          saved.model)
 
 
 def export_merged(ckpt: Path, out: str, cfg, dtype) -> Path:

@@ -52,9 +52,11 @@ from speedllm.models.hf_adapter import (
     RELEASES,
     HFNames,
     hf_config,
+    has_qkv_rows,
     hf_names_of,
     is_extra,
     model_config_from_hf,
+    qkv_channels,
     to_hf_state_dict,
 )
 from speedllm.outputs import MARKER, make_scratch_dir
@@ -302,6 +304,10 @@ def hf_reader(path: str, model_cfg, files: Dict[str, Path]):
             if sources[0].endswith(".gate_up_proj"):  # fused experts: gate_proj the first half of dim 1, up_proj
                 half = shape[1] if name.endswith(".up_proj") else 0
                 return read_hf(sources[0], (index[0], slice(index[1].start + half, index[1].stop + half), index[2]))
+            if has_qkv_rows(name):  # Gated DeltaNet q, k, v rows: ours are HF's in another order, read in runs
+                rows = qkv_channels(model_cfg)[index[0]]
+                runs = torch.tensor_split(rows, (torch.diff(rows) != 1).nonzero().squeeze(1) + 1)
+                return torch.cat([read_hf(sources[0], (slice(int(r[0]), int(r[-1]) + 1), *index[1:])) for r in runs])
             if len(sources) == 1:
                 return read_hf(sources[0], index)
             # stacked experts [E, out, in]: the experts of index[0], each its own HF tensor

@@ -1,13 +1,19 @@
 """Gated DeltaNet, the linear-attention mixer of the hybrid Qwen family (Qwen3.5, Qwen3-Next), as transformers
 computes it (Qwen3_5GatedDeltaNet / Qwen3NextGatedDeltaNet).
 
-Letters: B batch, S sequence, D hidden, C conv channels (q, k and v side by side), W conv kernel width,
-Hk key heads, H value heads (each key head serves H / Hk consecutive ones), K key head dim, V value head dim.
+Letters: B batch, S sequence, D hidden, C conv channels (q, k and v), W conv kernel width, Hk key heads, H value
+heads (each key head serves G = H / Hk consecutive ones), K key head dim, V value head dim.
 
-Per layer: input projections (HF's layout and names, so the HF map is a rename), a causal depthwise conv over
-q, k, v then SiLU, beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), the gated delta rule (the op
+The q, k, v channels (in_proj_qkv's rows and the conv's) are grouped by key head: [q, k, v of its G value heads]
+per key head, the layout of Qwen3-Next's in_proj_qkvz, so a tensor-parallel rank's heads are one block of rows
+(HF concatenates all q, then all k, then all v; speedllm.models.hf_adapter.qkv_channels maps the two orders).
+Head counts come from the tensors' shapes, so the module runs on whatever heads its weights hold.
+
+Per layer: input projections (HF's names), a causal depthwise conv over q, k, v then SiLU, beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), the gated delta rule (the op
 registry's chunked form for training and prefill, its recurrent form for one-token decode), a gated RMSNorm
-per value head with z (fp32 as transformers), the output projection. A cache keeps, per sequence, the last
+per value head with z (fp32 as transformers), the output projection. The conv, the gates and the rule run in
+`GatedDeltaRule`, which takes the per-head parameters (conv weight, A_log, dt_bias) as arguments: a layout
+hands it this rank's shards of them (speedllm.parallel.tensor). A cache keeps, per sequence, the last
 W - 1 conv inputs and the rule's state: neither grows with the sequence.
 """
 
@@ -58,65 +64,24 @@ def causal_conv(x_BSC: torch.Tensor, weight_CW: torch.Tensor, past_BCW: Optional
     return F.silu(y), padded[:, S:].transpose(1, 2)
 
 
-class GatedDeltaNet(nn.Module):
-    """Gated DeltaNet token mixer; parameter names as transformers' (linear_attn.*)."""
+class GatedDeltaRule(nn.Module):
+    """The per-head part of Gated DeltaNet: conv + SiLU, gates, the gated delta rule; no parameters of its own
+    (the mixer's conv weight, A_log and dt_bias come as arguments)."""
 
-    def __init__(self, cfg, layer_id: int, ops: Ops):
+    def __init__(self, layer_id: int, k_dim: int, v_dim: int, group: int, ops: Ops):
         super().__init__()
-        self.layer_id = layer_id
-        self.ops = ops
-        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        self.k_dim, self.v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        dim, key_dim, value_dim = cfg.hidden_size, self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
-        self.fused = cfg.linear_fused_projections
-        if self.fused:  # Qwen3-Next: per key head [q, k, v of its value heads, z of them] and [b, a]
-            self.in_proj_qkvz = nn.Linear(dim, 2 * key_dim + 2 * value_dim, bias=False)
-            self.in_proj_ba = nn.Linear(dim, 2 * self.num_v_heads, bias=False)
-        else:  # Qwen3.5
-            self.in_proj_qkv = nn.Linear(dim, 2 * key_dim + value_dim, bias=False)
-            self.in_proj_z = nn.Linear(dim, value_dim, bias=False)
-            self.in_proj_b = nn.Linear(dim, self.num_v_heads, bias=False)
-            self.in_proj_a = nn.Linear(dim, self.num_v_heads, bias=False)
-        channels = 2 * key_dim + value_dim
-        self.conv1d = nn.Conv1d(channels, channels, cfg.linear_conv_kernel_dim, groups=channels, bias=False)
-        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
-        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
-        self.norm = GatedRMSNorm(self.v_dim, cfg.rms_norm_eps, ops)
-        self.out_proj = nn.Linear(value_dim, dim, bias=False)
+        self.layer_id, self.k_dim, self.v_dim, self.group, self.ops = layer_id, k_dim, v_dim, group, ops
 
-    def project(self, x_BSD: torch.Tensor):
-        """(qkv_BSC, z_BSHV, b_BSH, a_BSH) from the input projections."""
-        B, S, _ = x_BSD.shape
-        if not self.fused:
-            return (self.in_proj_qkv(x_BSD), self.in_proj_z(x_BSD).view(B, S, -1, self.v_dim),
-                    self.in_proj_b(x_BSD), self.in_proj_a(x_BSD))
-        group = self.num_v_heads // self.num_k_heads
-        qkvz = self.in_proj_qkvz(x_BSD).view(B, S, self.num_k_heads, -1)
-        q, k, v, z = qkvz.split([self.k_dim, self.k_dim, group * self.v_dim, group * self.v_dim], dim=-1)
-        b, a = self.in_proj_ba(x_BSD).view(B, S, self.num_k_heads, -1).split([group, group], dim=-1)
-        qkv = torch.cat([x.reshape(B, S, -1) for x in (q, k, v)], dim=-1)
-        return qkv, z.reshape(B, S, -1, self.v_dim), b.reshape(B, S, -1), a.reshape(B, S, -1)
-
-    def forward(self, x_BSD, kv_cache=None, token_mask=None, document_ids=None, cu_seqlens=None):
-        """Args:
-            kv_cache: a KVCache / SlotCache holding this layer's conv and rule states for the rows running.
-            token_mask: [B, S] 0 = padding; padding's inputs are zeroed (transformers'
-                apply_mask_to_padding_states), so left padding leaves the states as if the sequence began after it.
-            document_ids, cu_seqlens: packed documents (speedllm.models.qwen3.document_bounds): the conv and
-                the rule restart at each document.
-        """
-        if token_mask is not None:
-            x_BSD = x_BSD * token_mask[:, :, None].to(x_BSD.dtype)
-        B, S, _ = x_BSD.shape
-        qkv, z, b, a = self.project(x_BSD)
+    def forward(self, qkv_BSC, b_BSH, a_BSH, conv_weight, A_log, dt_bias, kv_cache, document_ids, cu_seqlens):
+        """o [B, S, H, V] of the heads the inputs hold (q, k, v grouped by key head, the module docstring)."""
+        B, S, _ = qkv_BSC.shape
         conv_past, state = (None, None) if kv_cache is None else kv_cache.linear_state(self.layer_id)
-        qkv, conv_tail = causal_conv(qkv, self.conv1d.weight.squeeze(1), conv_past, document_ids)
-        key_dim = self.num_k_heads * self.k_dim
-        q, k, v = qkv.split([key_dim, key_dim, qkv.shape[-1] - 2 * key_dim], dim=-1)
-        q, k = q.view(B, S, -1, self.k_dim), k.view(B, S, -1, self.k_dim)
-        v = v.view(B, S, -1, self.v_dim)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        qkv, conv_tail = causal_conv(qkv_BSC, conv_weight.squeeze(1), conv_past, document_ids)
+        q, k, v = qkv.view(B, S, -1, 2 * self.k_dim + self.group * self.v_dim).split(
+            [self.k_dim, self.k_dim, self.group * self.v_dim], dim=-1)
+        v = v.reshape(B, S, -1, self.v_dim)
+        beta = b_BSH.sigmoid()
+        g = -A_log.float().exp() * F.softplus(a_BSH.float() + dt_bias)
         if state is not None and S == 1:
             o, state = self.ops.recurrent_gated_delta_rule(q, k, v, g, beta, state)
         elif cu_seqlens is not None:  # packed rows back to back: one sequence of documents
@@ -134,4 +99,58 @@ class GatedDeltaNet(nn.Module):
             o, state = self.ops.chunk_gated_delta_rule(q, k, v, g, beta, state, None)
         if kv_cache is not None:
             kv_cache.set_linear_state(self.layer_id, conv_tail, state)
+        return o
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet token mixer; parameter names as transformers' (linear_attn.*)."""
+
+    def __init__(self, cfg, layer_id: int, ops: Ops):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.k_dim, self.v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.group = self.num_v_heads // self.num_k_heads
+        dim, key_dim, value_dim = cfg.hidden_size, self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
+        self.fused = cfg.linear_fused_projections
+        if self.fused:  # Qwen3-Next: per key head [q, k, v of its value heads, z of them] and [b, a]
+            self.in_proj_qkvz = nn.Linear(dim, 2 * key_dim + 2 * value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(dim, 2 * self.num_v_heads, bias=False)
+        else:  # Qwen3.5 (q, k, v grouped by key head: the module docstring)
+            self.in_proj_qkv = nn.Linear(dim, 2 * key_dim + value_dim, bias=False)
+            self.in_proj_z = nn.Linear(dim, value_dim, bias=False)
+            self.in_proj_b = nn.Linear(dim, self.num_v_heads, bias=False)
+            self.in_proj_a = nn.Linear(dim, self.num_v_heads, bias=False)
+        channels = 2 * key_dim + value_dim
+        self.conv1d = nn.Conv1d(channels, channels, cfg.linear_conv_kernel_dim, groups=channels, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.rule = GatedDeltaRule(layer_id, self.k_dim, self.v_dim, self.group, ops)
+        self.norm = GatedRMSNorm(self.v_dim, cfg.rms_norm_eps, ops)
+        self.out_proj = nn.Linear(value_dim, dim, bias=False)
+
+    def project(self, x_BSD: torch.Tensor):
+        """(qkv_BSC grouped by key head, z_BSHV, b_BSH, a_BSH) from the input projections."""
+        B, S, _ = x_BSD.shape
+        if not self.fused:
+            return (self.in_proj_qkv(x_BSD), self.in_proj_z(x_BSD).view(B, S, -1, self.v_dim),
+                    self.in_proj_b(x_BSD), self.in_proj_a(x_BSD))
+        qkv, z = self.in_proj_qkvz(x_BSD).view(B, S, -1, 2 * self.k_dim + 2 * self.group * self.v_dim).split(
+            [2 * self.k_dim + self.group * self.v_dim, self.group * self.v_dim], dim=-1)
+        b, a = self.in_proj_ba(x_BSD).view(B, S, -1, 2 * self.group).chunk(2, dim=-1)
+        return qkv.reshape(B, S, -1), z.reshape(B, S, -1, self.v_dim), b.reshape(B, S, -1), a.reshape(B, S, -1)
+
+    def forward(self, x_BSD, kv_cache=None, token_mask=None, document_ids=None, cu_seqlens=None):
+        """Args:
+            kv_cache: a KVCache / SlotCache holding this layer's conv and rule states for the rows running.
+            token_mask: [B, S] 0 = padding; padding's inputs are zeroed (transformers'
+                apply_mask_to_padding_states), so left padding leaves the states as if the sequence began after it.
+            document_ids, cu_seqlens: packed documents (speedllm.models.qwen3.document_bounds): the conv and
+                the rule restart at each document.
+        """
+        if token_mask is not None:
+            x_BSD = x_BSD * token_mask[:, :, None].to(x_BSD.dtype)
+        B, S, _ = x_BSD.shape
+        qkv, z, b, a = self.project(x_BSD)
+        o = self.rule(qkv, b, a, self.conv1d.weight, self.A_log, self.dt_bias, kv_cache, document_ids, cu_seqlens)
         return self.out_proj(self.norm(o, z).reshape(B, S, -1))

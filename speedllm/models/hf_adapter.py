@@ -12,7 +12,9 @@ head) are not ours; speedllm.checkpoint.hf carries them from the source director
 One family per transformers model type, told apart by the config's parts (`hf_model_type`): Qwen3 and
 Qwen3-MoE; Qwen3.5 (gated attention, zero-centred norms, Gated DeltaNet with in_proj_qkv / z / b / a) dense and
 MoE with a shared expert; Qwen3-Next (the same with the fused in_proj_qkvz / in_proj_ba and Qwen3-MoE's sparsity
-keys). Module names equal transformers', so every family's map is this one rename.
+keys). Module names equal transformers', so every family's map is this one rename, but for the order of Gated
+DeltaNet's q, k, v channels (in_proj_qkv's rows, conv1d's channels): grouped by key head in ours, so that a
+tensor-parallel rank's heads are one block of rows; HF's are all q, then all k, then all v (`qkv_channels`).
 """
 
 import re
@@ -24,6 +26,8 @@ import torch
 from speedllm.errors import UserError
 from speedllm.models.rope import rope_scaling_from_hf
 
+# our tensors whose rows are Gated DeltaNet's q, k, v channels (a LoRA B on in_proj_qkv has its rows too)
+_QKV_ROWS = re.compile(r"linear_attn\.(in_proj_qkv\.(lora_B\.)?weight|conv1d\.weight)$")
 _EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 EXTRA_PREFIXES = ("model.visual.", "mtp.")  # tensors of a release directory that are not the text model
 # HF architecture of each model type; a Qwen3.5 release is the ConditionalGeneration of its text model
@@ -62,6 +66,29 @@ def hf_model_type(cfg) -> str:
     return "qwen3_moe" if cfg.num_experts > 0 else "qwen3"
 
 
+def qkv_channels(cfg) -> torch.Tensor:
+    """HF's channel for each of our Gated DeltaNet q, k, v channels: ours are grouped by key head ([q, k, v of its
+    value heads] per key head), HF's are all q, all k, then all v."""
+    heads, k_dim = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    group_v = cfg.linear_num_value_heads // heads * cfg.linear_value_head_dim
+    q = torch.arange(heads)[:, None] * k_dim + torch.arange(k_dim)
+    v = 2 * heads * k_dim + torch.arange(heads)[:, None] * group_v + torch.arange(group_v)
+    return torch.cat([q, q + heads * k_dim, v], dim=1).reshape(-1)
+
+
+def has_qkv_rows(name: str) -> bool:
+    """Whether our tensor `name`'s rows are Gated DeltaNet's q, k, v channels (in our order)."""
+    return _QKV_ROWS.search(name) is not None
+
+
+def hf_rows(name: str, tensor: torch.Tensor, cfg, to_hf: bool = True) -> torch.Tensor:
+    """`tensor` (our `name`) with its rows in HF's order (to_hf) or back in ours; others unchanged."""
+    if not has_qkv_rows(name):
+        return tensor
+    channels = qkv_channels(cfg)
+    return tensor[torch.argsort(channels)] if to_hf else tensor[channels]
+
+
 def to_hf_state_dict(sd: Dict[str, torch.Tensor], cfg, names: HFNames = HFNames()) -> Dict[str, torch.Tensor]:
     """Our state dict -> HF checkpoint names (experts as `names` stores them, no lm_head when tied). With fused
     experts a layer's gate_proj and up_proj must come together (they make one gate_up_proj)."""
@@ -81,7 +108,7 @@ def to_hf_state_dict(sd: Dict[str, torch.Tensor], cfg, names: HFNames = HFNames(
             for i, expert in enumerate(tensor.unbind(0)):
                 out[f"{names.prefix}{prefix}.{i}.{proj}.weight"] = expert
         else:
-            out[f"{names.prefix}{name}"] = tensor
+            out[f"{names.prefix}{name}"] = hf_rows(name, tensor, cfg)
     return out
 
 
@@ -104,7 +131,7 @@ def from_hf_state_dict(hf_sd: Dict[str, torch.Tensor], cfg) -> Dict[str, torch.T
         elif name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         else:
-            out[name] = tensor
+            out[name] = hf_rows(name, tensor, cfg, to_hf=False)
     for name, per_expert in experts.items():
         out[name] = torch.stack([per_expert[i] for i in range(len(per_expert))])
     if cfg.tie_word_embeddings:
