@@ -359,190 +359,114 @@ LAYOUT_ERRORS = {
         "parallel.tp=8 does not divide num_attention_heads=4 of model qwen3_tiny; use tp in {1, 2}",
     ("qwen3_5_0.8b", "ep2"):
         "parallel.ep=2 needs a MoE model but qwen3_5_0.8b is dense; set parallel.ep=1",
-    ("qwen3_5_0.8b", "fsdp2_tp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_0.8b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_5_0.8b", "pp2_ep8"):
         "parallel.ep=8 needs a MoE model but qwen3_5_0.8b is dense; set parallel.ep=1",
     ("qwen3_5_0.8b", "pp2_vpp2_ep8"):
         "parallel.ep=8 needs a MoE model but qwen3_5_0.8b is dense; set parallel.ep=1",
     ("qwen3_5_0.8b", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=24 of model qwen3_5_0.8b",
-    ("qwen3_5_0.8b", "tp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_0.8b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_5_0.8b", "tp2_ep2"):
         "parallel.ep=2 needs a MoE model but qwen3_5_0.8b is dense; set parallel.ep=1",
-    ("qwen3_5_0.8b", "tp2_pp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_0.8b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_5_0.8b", "tp8"):
         "parallel.tp=8 does not divide num_key_value_heads=2 of model qwen3_5_0.8b; use tp in {1, 2}",
     ("qwen3_5_0.8b", "tp8_pp2_vpp8"):
         "parallel.tp=8 does not divide num_key_value_heads=2 of model qwen3_5_0.8b; use tp in {1, 2}",
-    ("qwen3_5_122b_a10b", "fsdp2_tp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_122b_a10b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_5_122b_a10b", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=48 of model qwen3_5_122b_a10b",
-    ("qwen3_5_122b_a10b", "tp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_122b_a10b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
-    ("qwen3_5_122b_a10b", "tp2_ep2"):
-        "parallel.tp=2: the hybrid model qwen3_5_122b_a10b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
-    ("qwen3_5_122b_a10b", "tp2_pp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_122b_a10b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_5_122b_a10b", "tp8"):
         "parallel.tp=8 does not divide num_key_value_heads=2 of model qwen3_5_122b_a10b; use tp in {1, 2}",
     ("qwen3_5_122b_a10b", "tp8_pp2_vpp8"):
         "parallel.tp=8 does not divide num_key_value_heads=2 of model qwen3_5_122b_a10b; use tp in {1, 2}",
     ("qwen3_5_27b", "ep2"):
         "parallel.ep=2 needs a MoE model but qwen3_5_27b is dense; set parallel.ep=1",
-    ("qwen3_5_27b", "fsdp2_tp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_27b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_5_27b", "pp2_ep8"):
         "parallel.ep=8 needs a MoE model but qwen3_5_27b is dense; set parallel.ep=1",
     ("qwen3_5_27b", "pp2_vpp2_ep8"):
         "parallel.ep=8 needs a MoE model but qwen3_5_27b is dense; set parallel.ep=1",
     ("qwen3_5_27b", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=64 of model qwen3_5_27b",
-    ("qwen3_5_27b", "tp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_27b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_5_27b", "tp2_ep2"):
         "parallel.ep=2 needs a MoE model but qwen3_5_27b is dense; set parallel.ep=1",
-    ("qwen3_5_27b", "tp2_pp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_27b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_5_27b", "tp8"):
         "parallel.tp=8 does not divide num_key_value_heads=4 of model qwen3_5_27b; use tp in {1, 2, 4}",
     ("qwen3_5_27b", "tp8_pp2_vpp8"):
         "parallel.tp=8 does not divide num_key_value_heads=4 of model qwen3_5_27b; use tp in {1, 2, 4}",
     ("qwen3_5_2b", "ep2"):
         "parallel.ep=2 needs a MoE model but qwen3_5_2b is dense; set parallel.ep=1",
-    ("qwen3_5_2b", "fsdp2_tp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_2b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_5_2b", "pp2_ep8"):
         "parallel.ep=8 needs a MoE model but qwen3_5_2b is dense; set parallel.ep=1",
     ("qwen3_5_2b", "pp2_vpp2_ep8"):
         "parallel.ep=8 needs a MoE model but qwen3_5_2b is dense; set parallel.ep=1",
     ("qwen3_5_2b", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=24 of model qwen3_5_2b",
-    ("qwen3_5_2b", "tp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_2b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_5_2b", "tp2_ep2"):
         "parallel.ep=2 needs a MoE model but qwen3_5_2b is dense; set parallel.ep=1",
-    ("qwen3_5_2b", "tp2_pp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_2b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_5_2b", "tp8"):
         "parallel.tp=8 does not divide num_key_value_heads=2 of model qwen3_5_2b; use tp in {1, 2}",
     ("qwen3_5_2b", "tp8_pp2_vpp8"):
         "parallel.tp=8 does not divide num_key_value_heads=2 of model qwen3_5_2b; use tp in {1, 2}",
-    ("qwen3_5_35b_a3b", "fsdp2_tp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_35b_a3b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_5_35b_a3b", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=40 of model qwen3_5_35b_a3b",
-    ("qwen3_5_35b_a3b", "tp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_35b_a3b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
-    ("qwen3_5_35b_a3b", "tp2_ep2"):
-        "parallel.tp=2: the hybrid model qwen3_5_35b_a3b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
-    ("qwen3_5_35b_a3b", "tp2_pp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_35b_a3b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_5_35b_a3b", "tp8"):
         "parallel.tp=8 does not divide num_key_value_heads=2 of model qwen3_5_35b_a3b; use tp in {1, 2}",
     ("qwen3_5_35b_a3b", "tp8_pp2_vpp8"):
         "parallel.tp=8 does not divide num_key_value_heads=2 of model qwen3_5_35b_a3b; use tp in {1, 2}",
-    ("qwen3_5_397b_a17b", "fsdp2_tp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_397b_a17b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_5_397b_a17b", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=60 of model qwen3_5_397b_a17b",
-    ("qwen3_5_397b_a17b", "tp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_397b_a17b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
-    ("qwen3_5_397b_a17b", "tp2_ep2"):
-        "parallel.tp=2: the hybrid model qwen3_5_397b_a17b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
-    ("qwen3_5_397b_a17b", "tp2_pp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_397b_a17b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_5_397b_a17b", "tp8"):
         "parallel.tp=8 does not divide num_key_value_heads=2 of model qwen3_5_397b_a17b; use tp in {1, 2}",
     ("qwen3_5_397b_a17b", "tp8_pp2_vpp8"):
         "parallel.tp=8 does not divide num_key_value_heads=2 of model qwen3_5_397b_a17b; use tp in {1, 2}",
     ("qwen3_5_4b", "ep2"):
         "parallel.ep=2 needs a MoE model but qwen3_5_4b is dense; set parallel.ep=1",
-    ("qwen3_5_4b", "fsdp2_tp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_4b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_5_4b", "pp2_ep8"):
         "parallel.ep=8 needs a MoE model but qwen3_5_4b is dense; set parallel.ep=1",
     ("qwen3_5_4b", "pp2_vpp2_ep8"):
         "parallel.ep=8 needs a MoE model but qwen3_5_4b is dense; set parallel.ep=1",
     ("qwen3_5_4b", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=32 of model qwen3_5_4b",
-    ("qwen3_5_4b", "tp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_4b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_5_4b", "tp2_ep2"):
         "parallel.ep=2 needs a MoE model but qwen3_5_4b is dense; set parallel.ep=1",
-    ("qwen3_5_4b", "tp2_pp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_4b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_5_4b", "tp8"):
         "parallel.tp=8 does not divide num_key_value_heads=4 of model qwen3_5_4b; use tp in {1, 2, 4}",
     ("qwen3_5_4b", "tp8_pp2_vpp8"):
         "parallel.tp=8 does not divide num_key_value_heads=4 of model qwen3_5_4b; use tp in {1, 2, 4}",
     ("qwen3_5_9b", "ep2"):
         "parallel.ep=2 needs a MoE model but qwen3_5_9b is dense; set parallel.ep=1",
-    ("qwen3_5_9b", "fsdp2_tp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_9b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_5_9b", "pp2_ep8"):
         "parallel.ep=8 needs a MoE model but qwen3_5_9b is dense; set parallel.ep=1",
     ("qwen3_5_9b", "pp2_vpp2_ep8"):
         "parallel.ep=8 needs a MoE model but qwen3_5_9b is dense; set parallel.ep=1",
     ("qwen3_5_9b", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=32 of model qwen3_5_9b",
-    ("qwen3_5_9b", "tp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_9b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_5_9b", "tp2_ep2"):
         "parallel.ep=2 needs a MoE model but qwen3_5_9b is dense; set parallel.ep=1",
-    ("qwen3_5_9b", "tp2_pp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_9b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_5_9b", "tp8"):
         "parallel.tp=8 does not divide num_key_value_heads=4 of model qwen3_5_9b; use tp in {1, 2, 4}",
     ("qwen3_5_9b", "tp8_pp2_vpp8"):
         "parallel.tp=8 does not divide num_key_value_heads=4 of model qwen3_5_9b; use tp in {1, 2, 4}",
-    ("qwen3_5_moe_tiny", "fsdp2_tp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_moe_tiny (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_5_moe_tiny", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=4 of model qwen3_5_moe_tiny",
-    ("qwen3_5_moe_tiny", "tp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_moe_tiny (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
-    ("qwen3_5_moe_tiny", "tp2_ep2"):
-        "parallel.tp=2: the hybrid model qwen3_5_moe_tiny (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
-    ("qwen3_5_moe_tiny", "tp2_pp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_moe_tiny (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_5_moe_tiny", "tp8"):
         "parallel.tp=8 does not divide num_attention_heads=4 of model qwen3_5_moe_tiny; use tp in {1, 2}",
     ("qwen3_5_moe_tiny", "tp8_pp2_vpp8"):
         "parallel.tp=8 does not divide num_attention_heads=4 of model qwen3_5_moe_tiny; use tp in {1, 2}",
     ("qwen3_5_tiny", "ep2"):
         "parallel.ep=2 needs a MoE model but qwen3_5_tiny is dense; set parallel.ep=1",
-    ("qwen3_5_tiny", "fsdp2_tp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_tiny (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_5_tiny", "pp2_ep8"):
         "parallel.ep=8 needs a MoE model but qwen3_5_tiny is dense; set parallel.ep=1",
     ("qwen3_5_tiny", "pp2_vpp2_ep8"):
         "parallel.ep=8 needs a MoE model but qwen3_5_tiny is dense; set parallel.ep=1",
     ("qwen3_5_tiny", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=4 of model qwen3_5_tiny",
-    ("qwen3_5_tiny", "tp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_tiny (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_5_tiny", "tp2_ep2"):
         "parallel.ep=2 needs a MoE model but qwen3_5_tiny is dense; set parallel.ep=1",
-    ("qwen3_5_tiny", "tp2_pp2"):
-        "parallel.tp=2: the hybrid model qwen3_5_tiny (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_5_tiny", "tp8"):
         "parallel.tp=8 does not divide num_attention_heads=4 of model qwen3_5_tiny; use tp in {1, 2}",
     ("qwen3_5_tiny", "tp8_pp2_vpp8"):
         "parallel.tp=8 does not divide num_attention_heads=4 of model qwen3_5_tiny; use tp in {1, 2}",
-    ("qwen3_next_80b_a3b", "fsdp2_tp2"):
-        "parallel.tp=2: the hybrid model qwen3_next_80b_a3b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_next_80b_a3b", "pp4_ep32"):
         "parallel.pp_layers=[23, 24, 24, 23] must list 4 stage sizes (pp*vpp) of at least 1 that sum to num_hidden_layers=48 of model qwen3_next_80b_a3b",
-    ("qwen3_next_80b_a3b", "tp2"):
-        "parallel.tp=2: the hybrid model qwen3_next_80b_a3b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
-    ("qwen3_next_80b_a3b", "tp2_ep2"):
-        "parallel.tp=2: the hybrid model qwen3_next_80b_a3b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
-    ("qwen3_next_80b_a3b", "tp2_pp2"):
-        "parallel.tp=2: the hybrid model qwen3_next_80b_a3b (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, ep and cp so far, not tp; set parallel.tp=1",
     ("qwen3_next_80b_a3b", "tp8"):
         "parallel.tp=8 does not divide num_key_value_heads=2 of model qwen3_next_80b_a3b; use tp in {1, 2}",
     ("qwen3_next_80b_a3b", "tp8_pp2_vpp8"):

@@ -28,6 +28,7 @@ HYBRID = ["model=qwen3_5_tiny", "model.hidden_size=64", "model.intermediate_size
 HYBRID_MOE = ["model=qwen3_5_moe_tiny", "model.hidden_size=64", "model.moe_intermediate_size=32",
               "model.shared_expert_intermediate_size=32", "model.head_dim=16", "model.linear_key_head_dim=16",
               "model.linear_value_head_dim=16"]  # with a shared expert
+HYBRID_FUSED = [*HYBRID, "model.linear_fused_projections=true"]  # Qwen3-Next's fused in_proj_qkvz / in_proj_ba
 MOE2 = [*MOE, "model.num_experts=2", "model.num_experts_per_tok=1"]  # one expert per ep rank, FSDP2 shards it by rows over its 2 edp ranks
 # A constant LR after 2 warmup steps: the schedule does not depend on train.steps, so runs that stop at
 # step 5 (stop_after) and runs that go on to step 6 see the same learning rates.
@@ -52,9 +53,12 @@ LAYOUTS = {  # name: (model, parallel overrides)
     "hybrid_pp2": (HYBRID, ["parallel=pp2"]),  # stage 0: 2 GDN layers, stage 1: GDN + gated attention
     "hybrid_moe_pp2": (HYBRID_MOE, ["parallel=pp2"]),
     "hybrid_moe_ep2": (HYBRID_MOE, ["parallel=ep2"]),
+    "hybrid_tp2": (HYBRID, ["parallel=tp2"]),  # GDN split by key heads, sequence parallel
+    "hybrid_moe_tp2_ep2": (HYBRID_MOE, ["parallel=tp2_ep2"]),  # shared expert replicated over tp, experts over ep
+    "hybrid_fused_tp2": (HYBRID_FUSED, ["parallel=tp2"]),
 }
 REFERENCES = {id(DENSE): "single", id(MOE): "single_moe", id(MOE2): "single_moe2", id(HYBRID): "single_hybrid",
-              id(HYBRID_MOE): "single_hybrid_moe"}  # single-process run dirs
+              id(HYBRID_MOE): "single_hybrid_moe", id(HYBRID_FUSED): "single_hybrid_fused"}  # single-process run dirs
 
 
 def run_all(jobs: dict, launch_here, launch_ranks) -> None:
@@ -125,7 +129,8 @@ def runs(tmp_path_factory, launch_here, launch_ranks):
             root / "single_moe": [*MOE, "parallel=single", "checkpoint.every=5"],
             root / "single_moe2": [*MOE2, "parallel=single", "checkpoint.every=5"],
             root / "single_hybrid": [*HYBRID, "parallel=single", "checkpoint.every=5"],
-            root / "single_hybrid_moe": [*HYBRID_MOE, "parallel=single", "checkpoint.every=5"]}
+            root / "single_hybrid_moe": [*HYBRID_MOE, "parallel=single", "checkpoint.every=5"],
+            root / "single_hybrid_fused": [*HYBRID_FUSED, "parallel=single", "checkpoint.every=5"]}
     for name, (model, parallel) in LAYOUTS.items():
         jobs[root / name] = [*model, *parallel, "train.stop_after=5"]
     run_all(jobs, launch_here, launch_ranks)

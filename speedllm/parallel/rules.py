@@ -4,6 +4,7 @@ One home for them: validation raises the first message before any process starts
 layouts that break one, and the tests assert the messages. Each message names the key(s) and the fix.
 """
 
+import math
 from typing import List, Optional, Sequence
 
 INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -42,11 +43,11 @@ def layout_errors(model, *, tp: int, pp: int, vpp: int, ep: int, cp: int, dp: in
               if value < 1]
     if errors:
         return errors
-    for heads_key in ("num_attention_heads", "num_key_value_heads"):
+    for heads_key in ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads"):
         heads = getattr(m, heads_key)
         if heads % tp:
             errors.append(f"parallel.tp={tp} does not divide {heads_key}={heads} of model {name}; "
-                          f"use tp in {_set(divisors(m.num_key_value_heads))}")
+                          f"use tp in {_set(divisors(math.gcd(m.num_key_value_heads, m.linear_num_key_heads)))}")
     stages = pp * vpp
     if pp_layers is not None:
         if len(pp_layers) != stages or sum(pp_layers) != m.num_hidden_layers or min(pp_layers) < 1:
@@ -71,9 +72,6 @@ def layout_errors(model, *, tp: int, pp: int, vpp: int, ep: int, cp: int, dp: in
             errors.append(f"parallel.ep={ep} must divide parallel.dp x parallel.cp x parallel.tp = {dp * cp * tp} "
                           f"(experts are spread over the data/context/tensor ranks); raise dp or lower ep")
     # combinations speedllm.parallel.parallelize does not build
-    if (m.attention_output_gate or "linear_attention" in m.layer_types) and tp > 1:
-        errors.append(f"parallel.tp={tp}: the hybrid model {name} (Qwen3.5 / Qwen3-Next) runs under dp, FSDP, pp, "
-                      "ep and cp so far, not tp; set parallel.tp=1")
     if m.num_experts > 0 and tp > 1 and not sequence_parallel:
         errors.append(f"parallel.tp={tp} with MoE model {name} needs sequence parallel (each tp rank routes its own "
                       "tokens); set parallel.sequence_parallel=true")

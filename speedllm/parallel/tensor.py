@@ -5,6 +5,12 @@ dim (Shard(1)); the norms run on their sequence shard; attention and the MLP all
 own heads / intermediate columns (Colwise q/k/v, gate/up), and reduce-scatter back (Rowwise o/down).
 Without SP the residual stream is replicated and the Rowwise projections all-reduce instead.
 
+A Gated DeltaNet mixer (hybrid models) is split by key heads the same way: its input projections are Colwise (their
+rows are grouped by key head: speedllm.models.gated_deltanet), the conv channels, A_log and dt_bias are sharded
+with their heads and handed to the per-head part (GatedDeltaRule) as this rank's shards, the gated norm runs on
+this rank's heads, and out_proj is Rowwise. Gated attention's q_proj holds each head's query and gate together,
+so Colwise splits it by heads as well.
+
 A MoE block under SP runs on each rank's own tokens, like data-parallel ranks would: it takes the local
 sequence shard, the router is replicated (its gradient summed over the tensor axis by DTensor), and the experts
 are placed by expert parallelism and FSDP over dp x cp x tp (speedllm.parallel.mesh.ParallelDims.expert_meshes),
@@ -19,12 +25,13 @@ Letters: N tokens, D hidden, V vocabulary (Vt: this rank's share of it).
 """
 
 from functools import partial
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -91,34 +98,87 @@ class LocalTokensMoE(ParallelStyle):
             return out_BSD, (total[:E].clone(), total[E:2 * E].clone(), total[2 * E].clone(),
                              total[2 * E + 1].clone())
 
-        def router_rows(gate, inputs, mesh):
-            (x_ND,) = inputs
-            B, S, D = specs[-1][0]
-            return DTensor.from_local(x_ND, mesh, [Shard(0)], run_check=False, shape=(B * S, D), stride=(D, 1))
+        def token_rows(linear, inputs, mesh):
+            (x_NF,) = inputs
+            B, S, _ = specs[-1][0]
+            F = x_NF.shape[-1]
+            return DTensor.from_local(x_NF, mesh, [Shard(0)], run_check=False, shape=(B * S, F), stride=(F, 1))
 
         module.register_forward_pre_hook(to_local)
         module.register_forward_hook(to_stream)
-        distribute_module(module.gate, device_mesh, input_fn=router_rows,  # parameters replicated
-                          output_fn=lambda gate, logits, mesh: logits.to_local())
+        replicated = [module.gate]
+        if module.shared_expert is not None:  # replicated too, on the rank's own tokens: never routed
+            replicated += [module.shared_expert_gate, *module.shared_expert.children()]
+        for linear in replicated:  # parameters replicated
+            distribute_module(linear, device_mesh, input_fn=token_rows, output_fn=lambda m, out, mesh: out.to_local())
         return module
 
 
-def layer_plan(sequence_parallel: bool, moe: bool = False) -> dict:
-    """Plan for one decoder layer (attention, SwiGLU MLP or MoE block, norms)."""
-    stream = Shard(1) if sequence_parallel else Replicate()
-    plan = {
-        # Attention.forward(x, cos, sin, mask, kv_cache, attend=None): only x is a distributed activation.
-        "self_attn": PrepareModuleInput(input_layouts=(stream, None, None, None, None),
-                                        desired_input_layouts=(Replicate(), None, None, None, None)),
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
-        # q/k norms see only this rank's heads: their weight gradient is a partial sum over the tensor axis,
-        # which SequenceParallel over the head dim reduces (without it the forward matches, the gradient not).
-        "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-        "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-        "self_attn.o_proj": RowwiseParallel(output_layouts=stream, use_local_output=not sequence_parallel),
+class ShardedHeads(ParallelStyle):
+    """A Gated DeltaNet mixer's own per-head parameters (A_log, dt_bias; the conv's weight on `conv1d`) sharded on
+    dim 0 with their heads; on the mixer itself, its input gathered from the stream to a whole local tensor too."""
+
+    def __init__(self, stream=None):
+        self.prepare = None if stream is None else PrepareModuleInput(
+            input_layouts=(stream, None, None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None, None), use_local_output=True)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(param, device_mesh, [Shard(0)]),
+                                                         param.requires_grad))
+        return self.prepare._apply(module, device_mesh) if self.prepare else module
+
+
+class HeadsNorm(SequenceParallel):
+    """A norm over each head of inputs that hold this rank's heads (dim 2), every tensor input (the gated norm's o
+    and z) taken as such: its replicated weight's gradient is summed over the tensor axis."""
+
+    def __init__(self):
+        super().__init__(sequence_dim=2, use_local_output=True)
+
+    @staticmethod
+    def _prepare_input_fn(sequence_sharding, mod, inputs, device_mesh):
+        return tuple(DTensor.from_local(x, device_mesh, sequence_sharding, run_check=False) for x in inputs)
+
+
+def linear_attention_plan(stream, sequence_parallel: bool, fused: bool) -> dict:
+    """Plan for a Gated DeltaNet mixer (speedllm.models.gated_deltanet), split by key heads."""
+    projections = ("in_proj_qkvz", "in_proj_ba") if fused else ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+    # GatedDeltaRule(qkv, b, a, conv weight, A_log, dt_bias, cache, document ids, cu_seqlens): the parameters
+    # enter as this rank's shards
+    heads = (None, None, None, Shard(0), Shard(0), Shard(0), None, None, None)
+    return {
+        "linear_attn": ShardedHeads(stream),
+        **{f"linear_attn.{name}": ColwiseParallel() for name in projections},
+        "linear_attn.conv1d": ShardedHeads(),
+        "linear_attn.rule": PrepareModuleInput(input_layouts=heads, desired_input_layouts=heads,
+                                               use_local_output=True),
+        "linear_attn.norm": HeadsNorm(),
+        "linear_attn.out_proj": RowwiseParallel(output_layouts=stream, use_local_output=not sequence_parallel),
     }
+
+
+def layer_plan(sequence_parallel: bool, moe: bool = False, linear: Optional[bool] = None) -> dict:
+    """Plan for one decoder layer (attention, SwiGLU MLP or MoE block, norms); `linear`: a Gated DeltaNet mixer
+    in place of attention, with fused (Qwen3-Next) input projections or not."""
+    stream = Shard(1) if sequence_parallel else Replicate()
+    if linear is not None:
+        plan = linear_attention_plan(stream, sequence_parallel, linear)
+    else:
+        plan = {
+            # Attention.forward(x, cos, sin, mask, kv_cache, attend=None): only x is a distributed activation.
+            "self_attn": PrepareModuleInput(input_layouts=(stream, None, None, None, None),
+                                            desired_input_layouts=(Replicate(), None, None, None, None)),
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            # q/k norms see only this rank's heads: their weight gradient is a partial sum over the tensor axis,
+            # which SequenceParallel over the head dim reduces (without it the forward matches, the gradient not).
+            "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=stream, use_local_output=not sequence_parallel),
+        }
     if moe and sequence_parallel:
         plan["mlp"] = LocalTokensMoE()
     elif not moe:
@@ -202,7 +262,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> 
     parallelize_module(model, tp_mesh, plan)
     model.tie_embeddings()  # distributed separately above; one tensor again
     for layer in model.layers.values():
-        parallelize_module(layer, tp_mesh, layer_plan(sequence_parallel, layer.is_moe))
+        linear = layer.linear_attn.fused if layer.is_linear else None
+        parallelize_module(layer, tp_mesh, layer_plan(sequence_parallel, layer.is_moe, linear))
 
 
 def quantize_tp_linear(linear: nn.Linear, quantize) -> nn.Module:
