@@ -209,17 +209,20 @@ def test_release_directory_round_trips_through_dcp_and_training_bit_exact(tmp_pa
         assert relative_error(ours_for(text_only)(tokens), want) <= 1e-5
 
 
-def test_generate_task_on_a_qwen3_next_directory_matches_transformers(tmp_path, launch):
+@pytest.mark.parametrize("kind,parallel", [("qwen3_next", "single"), ("qwen3_5_moe", "tp2")])
+def test_generate_task_on_a_hybrid_directory_matches_transformers(kind, parallel, tmp_path, launch):
+    """tp2 (no sequence parallel): each rank reads its heads' rows of in_proj_qkv and conv1d from the HF files."""
     from speedllm.data.tokenizer import load_tokenizer
 
-    hf = hf_model("qwen3_next", seed=10, vocab_size=8192)
+    heads = dict(num_attention_heads=4, num_key_value_heads=2) if parallel == "tp2" else {}
+    hf = hf_model(kind, seed=10, vocab_size=8192, **heads)
     hf.save_pretrained(tmp_path / "next")
     for file in DEMO_TOKENIZER.iterdir():
         shutil.copy2(file, tmp_path / "next" / file.name)
     tok = load_tokenizer(str(DEMO_TOKENIZER))
     prompts = ["ROMEO:", "KING HENRY:\nWhat say you"]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    code, _, err = launch(tmp_path / "run", "hardware=cpu", "task=generate", "model=hf",
+    code, _, err = launch(tmp_path / "run", "hardware=cpu", "task=generate", "model=hf", f"parallel={parallel}",
                           f"checkpoint.load_hf={tmp_path / 'next'}", f"generate.prompts_file={tmp_path}/prompts.jsonl",
                           "generate.max_new_tokens=8", "generate.batch_size=2", f"generate.output={tmp_path}/out.jsonl",
                           cwd=tmp_path)
