@@ -3,7 +3,8 @@
 Each layout runs 5 steps of a global batch of 8 sequences (the single-process reference: the same 8 as 4
 micro-batches of 2) from the same initial weights (per-shard init, see speedllm/parallel/weights.py).
 Losses must agree within 1e-5 (relative), parameters after step 5 within 1e-4. The TP2 x PP2 checkpoint
-then resumes under FSDP over 4 ranks and under one process with the single run's step-6 loss.
+then resumes under FSDP over 4 ranks and under one process with the single run's step-6 loss, and the hybrid
+model's TP2 checkpoint under FSDP over 2 ranks.
 The layouts of one world size run one after the other on one spawned set of ranks (conftest's launch_ranks: the
 launcher's resolve, validate, freeze and run on each rank), the one-process runs in this process; launch.py's own
 process start-up (Hydra, torch's elastic agent) is tested by test_hf_parallel.py, test_faults.py and others.
@@ -123,7 +124,8 @@ def saved_weights(checkpoint: Path) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, launch_here, launch_ranks):
     """Run directories: single-process references (6 steps), every layout (5 steps, checkpoint at 5), and the
-    TP2 x PP2 checkpoint resumed under FSDP over 4 ranks and under one process (step 6)."""
+    TP2 x PP2 checkpoint resumed under FSDP over 4 ranks and under one process (step 6), the hybrid TP2 one under
+    FSDP over 2 ranks."""
     root = tmp_path_factory.mktemp("parallel")
     jobs = {root / "single": [*DENSE, "parallel=single", "checkpoint.every=5"],
             root / "single_moe": [*MOE, "parallel=single", "checkpoint.every=5"],
@@ -135,8 +137,10 @@ def runs(tmp_path_factory, launch_here, launch_ranks):
         jobs[root / name] = [*model, *parallel, "train.stop_after=5"]
     run_all(jobs, launch_here, launch_ranks)
     checkpoint = root / "tp2_pp2" / "checkpoints" / "step_00000005"
+    hybrid = root / "hybrid_tp2" / "checkpoints" / "step_00000005"
     run_all({root / "resumed_fsdp4": [*DENSE, "parallel=fsdp4", f"checkpoint.load={checkpoint}"],
-             root / "resumed_single": [*DENSE, "parallel=single", f"checkpoint.load={checkpoint}"]},
+             root / "resumed_single": [*DENSE, "parallel=single", f"checkpoint.load={checkpoint}"],
+             root / "resumed_hybrid_fsdp2": [*HYBRID, "parallel=fsdp2", f"checkpoint.load={hybrid}"]},
             launch_here, launch_ranks)
     return root
 
@@ -150,6 +154,13 @@ def test_layout_matches_single_process(layout, runs):
 def test_tp2_pp2_checkpoint_resumes_under_fsdp4_and_single_process(resumed, runs):
     (loss,) = losses(runs / f"resumed_{resumed}")  # step 6 only
     expected = losses(runs / "single")[5]
+    assert abs(loss - expected) <= 1e-5 * expected
+
+
+def test_hybrid_tp2_checkpoint_resumes_under_fsdp2(runs):
+    """DCP reshards a hybrid checkpoint: GDN's head-split tensors saved by tp2 load into FSDP2's row shards."""
+    (loss,) = losses(runs / "resumed_hybrid_fsdp2")  # step 6 only
+    expected = losses(runs / "single_hybrid")[5]
     assert abs(loss - expected) <= 1e-5 * expected
 
 
