@@ -115,6 +115,12 @@ RULES = [
     (["model=qwen3_moe_tiny", "parallel=ep2", "parallel.dp=2", "parallel.ep=4", "task=doctor"],
      "parallel.ep=4 must divide parallel.dp x parallel.cp x parallel.tp = 2 (experts are spread over the "
      "data/context/tensor ranks); raise dp or lower ep"),
+    (["model=qwen3_5_tiny", "parallel=tp2", "parallel.cp=2", "launcher.nproc_per_node=4", "task=doctor"],
+     "parallel.cp=2 with parallel.tp=2 is not supported for the hybrid model qwen3_5_tiny (Gated DeltaNet's state "
+     "passes between cp ranks on whole activations, not tp's shards); use parallel.tp=1 with cp, or cp=1 with tp"),
+    (["model=qwen3_5_tiny", "parallel=tp2", "parallel.tp=4", "parallel.dp=1", "model.num_attention_heads=8",
+      "model.num_key_value_heads=4", "task=doctor"],
+     "parallel.tp=4 does not divide linear_num_key_heads=2 of model qwen3_5_tiny; use tp in {1, 2}"),
     (["model=qwen3_moe_tiny", "parallel=tp2", "parallel.sequence_parallel=false", "task=doctor"],
      "parallel.tp=2 with MoE model qwen3_moe_tiny needs sequence parallel (each tp rank routes its own tokens); "
      "set parallel.sequence_parallel=true"),

@@ -36,7 +36,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from speedllm.models.qwen3 import document_bounds, masked_attention, varlen_attention
@@ -261,11 +260,9 @@ class ContextParallel:
         B, L, _ = x_BLD.shape
         n = L // 2
         chunks, outs = x_BLD.split(n, dim=1), [None, None]
-        weight = mixer.conv1d.weight  # under tensor parallelism: this rank's heads' channels
-        channels, width = (weight.to_local() if isinstance(weight, DTensor) else weight).shape[::2]
+        channels, width = mixer.conv1d.weight.shape[0], mixer.conv1d.weight.shape[-1]
         conv = x_BLD.new_zeros(B, channels, width - 1)
-        heads = mixer.num_v_heads * channels // weight.shape[0]
-        state = x_BLD.new_zeros(B, heads, mixer.k_dim, mixer.v_dim, dtype=torch.float32)
+        state = x_BLD.new_zeros(B, mixer.num_v_heads, mixer.k_dim, mixer.v_dim, dtype=torch.float32)
         if torch.is_grad_enabled():  # every rank's broadcasts are then graph nodes, so every rank runs their backward
             conv, state = conv.requires_grad_(), state.requires_grad_()
         for c in range(2 * self.size):

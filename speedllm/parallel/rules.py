@@ -75,6 +75,10 @@ def layout_errors(model, *, tp: int, pp: int, vpp: int, ep: int, cp: int, dp: in
     if m.num_experts > 0 and tp > 1 and not sequence_parallel:
         errors.append(f"parallel.tp={tp} with MoE model {name} needs sequence parallel (each tp rank routes its own "
                       "tokens); set parallel.sequence_parallel=true")
+    if "linear_attention" in m.layer_types and cp > 1 and tp > 1:
+        errors.append(f"parallel.cp={cp} with parallel.tp={tp} is not supported for the hybrid model {name} (Gated "
+                      "DeltaNet's state passes between cp ranks on whole activations, not tp's shards); use "
+                      "parallel.tp=1 with cp, or cp=1 with tp")
     if cp > 1 and pp > 1:
         errors.append(f"parallel.cp={cp} with parallel.pp={pp} is not supported (context parallelism hooks the "
                       "whole model); use parallel.pp=1 with cp, or cp=1 with pp")
