@@ -159,26 +159,31 @@ def linear_attention_plan(stream, sequence_parallel: bool, fused: bool) -> dict:
     }
 
 
+def attention_plan(stream, sequence_parallel: bool) -> dict:
+    """Plan for a softmax attention mixer (Qwen3's, or the hybrid family's gated one)."""
+    return {
+        # Attention.forward(x, cos, sin, mask, kv_cache, attend=None): only x is a distributed activation.
+        "self_attn": PrepareModuleInput(input_layouts=(stream, None, None, None, None),
+                                        desired_input_layouts=(Replicate(), None, None, None, None)),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        # q/k norms see only this rank's heads: their weight gradient is a partial sum over the tensor axis,
+        # which SequenceParallel over the head dim reduces (without it the forward matches, the gradient not).
+        "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=stream, use_local_output=not sequence_parallel),
+    }
+
+
 def layer_plan(sequence_parallel: bool, moe: bool = False, linear: Optional[bool] = None) -> dict:
-    """Plan for one decoder layer (attention, SwiGLU MLP or MoE block, norms); `linear`: a Gated DeltaNet mixer
-    in place of attention, with fused (Qwen3-Next) input projections or not."""
+    """Plan for one decoder layer (mixer, SwiGLU MLP or MoE block, norms). `linear`: None for an attention
+    mixer; for a Gated DeltaNet one whether its input projections are fused (Qwen3-Next's)."""
     stream = Shard(1) if sequence_parallel else Replicate()
-    if linear is not None:
-        plan = linear_attention_plan(stream, sequence_parallel, linear)
+    if linear is None:
+        plan = attention_plan(stream, sequence_parallel)
     else:
-        plan = {
-            # Attention.forward(x, cos, sin, mask, kv_cache, attend=None): only x is a distributed activation.
-            "self_attn": PrepareModuleInput(input_layouts=(stream, None, None, None, None),
-                                            desired_input_layouts=(Replicate(), None, None, None, None)),
-            "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            # q/k norms see only this rank's heads: their weight gradient is a partial sum over the tensor axis,
-            # which SequenceParallel over the head dim reduces (without it the forward matches, the gradient not).
-            "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-            "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=stream, use_local_output=not sequence_parallel),
-        }
+        plan = linear_attention_plan(stream, sequence_parallel, linear)
     if moe and sequence_parallel:
         plan["mlp"] = LocalTokensMoE()
     elif not moe:
