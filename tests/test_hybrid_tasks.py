@@ -272,9 +272,9 @@ def test_serve_continuous_batching_equals_transformers(dirs):
 
 
 def test_plan_and_dryrun_agree_for_a_hybrid_model(tmp_path, launch):
-    """task=plan on a published size ranks the layouts hybrid models accept (tp2 among them) and refuses the others; a dryrun rank of the MoE group
-    under FSDP holds the planner's exact bytes; the planner's cache bytes are what the engine allocates, and a
-    Gated DeltaNet layer's share does not grow with the length."""
+    """task=plan on a published size ranks the layouts hybrid models accept (tp2 among them) and refuses the
+    others; a dryrun rank of the MoE group under FSDP holds the planner's exact bytes; the planner's cache bytes are
+    what the engine allocates, and a Gated DeltaNet layer's share does not grow with the length."""
     from speedllm.config import compose_config
     from speedllm.generation.batching import new_slot_cache
     from speedllm.models.kv_cache import cache_bytes

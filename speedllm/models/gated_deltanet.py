@@ -9,12 +9,12 @@ per key head, the layout of Qwen3-Next's in_proj_qkvz, so a tensor-parallel rank
 (HF concatenates all q, then all k, then all v; speedllm.models.hf_adapter.qkv_channels maps the two orders).
 Head counts come from the tensors' shapes, so the module runs on whatever heads its weights hold.
 
-Per layer: input projections (HF's names), a causal depthwise conv over q, k, v then SiLU, beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), the gated delta rule (the op
-registry's chunked form for training and prefill, its recurrent form for one-token decode), a gated RMSNorm
-per value head with z (fp32 as transformers), the output projection. The conv, the gates and the rule run in
-`GatedDeltaRule`, which takes the per-head parameters (conv weight, A_log, dt_bias) as arguments: a layout
-hands it this rank's shards of them (speedllm.parallel.tensor). A cache keeps, per sequence, the last
-W - 1 conv inputs and the rule's state: neither grows with the sequence.
+Per layer: input projections (HF's names), a causal depthwise conv over q, k, v then SiLU, beta = sigmoid(b), g =
+-exp(A_log) * softplus(a + dt_bias), the gated delta rule (the op registry's chunked form for training and prefill,
+its recurrent form for one-token decode), a gated RMSNorm per value head with z (fp32 as transformers), the output
+projection. The conv, the gates and the rule run in `GatedDeltaRule`, which takes the per-head parameters (conv
+weight, A_log, dt_bias) as arguments: a layout hands it this rank's shards of them (speedllm.parallel.tensor). A cache
+keeps, per sequence, the last W - 1 conv inputs and the rule's state: neither grows with the sequence.
 """
 
 from typing import Optional
