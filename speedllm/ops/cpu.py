@@ -123,9 +123,10 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """In x's dtype: under bf16 autocast (a bf16 x, an fp32 weight) bf16, as the accelerators' op sets."""
+    """In x's dtype: under bf16 autocast (a bf16 x, an fp32 weight) bf16, as the accelerators' op sets, also where
+    the kernel does not take the tensors (DTensors under tensor parallelism: q_norm / k_norm run sharded by head)."""
     if not (_fused(x, params=(weight,)) and weight.is_contiguous() and weight.shape == x.shape[-1:]):
-        return reference.rms_norm(x, weight, eps)
+        return reference.rms_norm(x, weight, eps).to(x.dtype)
     return _RMSNorm.apply(x, weight, eps) if _needs_grad(x, weight) else _rms_norm_fwd(x, weight, eps)[1]
 
 
