@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speedllm.ops import Ops
+from speedllm.ops.batch_invariant import elementwise
 
 
 class GatedRMSNorm(nn.Module):
@@ -31,7 +32,7 @@ class GatedRMSNorm(nn.Module):
         self.ops = ops
 
     def forward(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return (self.ops.rms_norm(o, self.weight, self.eps) * F.silu(z.float())).to(o.dtype)
+        return (self.ops.rms_norm(o, self.weight, self.eps) * elementwise(F.silu, z.float())).to(o.dtype)
 
 
 def causal_conv(x_BSC: torch.Tensor, weight_CW: torch.Tensor, past_BCW: Optional[torch.Tensor],
@@ -55,7 +56,7 @@ def causal_conv(x_BSC: torch.Tensor, weight_CW: torch.Tensor, past_BCW: Optional
             same[:, back:] = document_ids[:, back:] == document_ids[:, :-back]
             tap = tap * same[..., None]
         y = y + tap
-    return F.silu(y), padded[:, S:].transpose(1, 2)
+    return elementwise(F.silu, y), padded[:, S:].transpose(1, 2)
 
 
 class GatedDeltaNet(nn.Module):
@@ -115,8 +116,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v = qkv.split([key_dim, key_dim, qkv.shape[-1] - 2 * key_dim], dim=-1)
         q, k = q.view(B, S, -1, self.k_dim), k.view(B, S, -1, self.k_dim)
         v = v.view(B, S, -1, self.v_dim)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        beta = elementwise(torch.sigmoid, b)
+        g = -self.A_log.float().exp() * elementwise(F.softplus, a.float() + self.dt_bias)
         if state is not None and S == 1:
             o, state = self.ops.recurrent_gated_delta_rule(q, k, v, g, beta, state)
         elif cu_seqlens is not None:  # packed rows back to back: one sequence of documents
