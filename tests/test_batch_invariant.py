@@ -151,7 +151,7 @@ DENSE = ["model=qwen3_tiny", "model.hidden_size=64", "model.intermediate_size=12
          "model.head_dim=16"]
 MOE = ["model=qwen3_moe_tiny", "model.hidden_size=64", "model.num_hidden_layers=2", "model.head_dim=16",
        "model.moe_intermediate_size=32"]
-RL = ["task=grpo", "hardware=cpu", "rl.prompts_per_step=4", "rl.group_size=4", "rl.max_new_tokens=6",
+RL = ["task=grpo", "hardware=cpu", "rl.group_size=4", "rl.max_new_tokens=6",
       "rl.kl_coef=0.05", "rl.mini_batches=2", "optim.lr=1e-3", "optim.warmup_steps=0", "logging.progress_bar=false",
       "logging.tensorboard=false", "checkpoint.save_final=false",
       "rl.rewards=[{_target_: test_grpo_task.vowels, weight: 1.0}]"]
@@ -162,9 +162,9 @@ HYBRID_MOE = ["model=qwen3_5_moe_tiny", "model.hidden_size=64", "model.moe_inter
               "model.linear_value_head_dim=16"]  # 3 Gated DeltaNet layers, 1 gated attention, a shared expert
 
 
-def grpo(tmp_path, launch, name, *overrides):
+def grpo(tmp_path, launch, name, *overrides, prompts=2):
     run_dir = tmp_path / name
-    code, _, err = launch(run_dir, *RL, *overrides, timeout=900)
+    code, _, err = launch(run_dir, *RL, f"rl.prompts_per_step={prompts}", *overrides, timeout=900)
     assert code == 0, err[-3000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -181,7 +181,7 @@ def test_grpo_logprob_diff_is_zero_for_30_steps(dtype, tmp_path, launch, rewards
               "hardware.batch_invariant=true")
     assert len(on) == 30 and all(r["rl/logprob_diff"] == 0.0 for r in on), [r["rl/logprob_diff"] for r in on]
     assert on[-1]["rl/kl"] > 0  # it trained
-    off = grpo(tmp_path, launch, "off", *DENSE, "train.steps=3", f"hardware.dtype={dtype}")
+    off = grpo(tmp_path, launch, "off", *DENSE, "train.steps=3", f"hardware.dtype={dtype}", prompts=4)
     assert max(r["rl/logprob_diff"] for r in off) > 0  # what the mode removes
 
 
