@@ -2,8 +2,9 @@
 the same row computed among 64, bit for bit, for the matmul, the attention (a decode step against a cache against
 the full sequence) and the fused norm; values against torch's; the lower kernel path (avx2) alike; the model's
 forward of one sequence equals it inside a batch of four, and a rollout's decode log-probabilities equal the
-training forward's; through launch.py, GRPO's rl/logprob_diff is exactly 0 at every step, fp32 and bf16, in one
-process and under fsdp2, tp2 and (MoE) ep2, where without the mode it is not."""
+training forward's, for the hybrid models too; through launch.py, GRPO's rl/logprob_diff is exactly 0 at every
+step, fp32 and bf16, in one process and under fsdp2, tp2 and (MoE) ep2, where without the mode it is not, and on
+a hybrid MoE in bf16."""
 
 import json
 import os
@@ -113,19 +114,57 @@ def test_model_forward_and_decode_are_batch_invariant(dtype, hf_pair):
     assert torch.equal(trained, ro.logprobs) and bool(ro.completion_mask.any())
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_hybrid_forward_and_decode_are_batch_invariant(kind, dtype):
+    """The hybrid models (Gated DeltaNet beside gated attention; Qwen3-Next's MoE with a shared expert) likewise:
+    the mode runs the rule token by token in prefill and training too, so a decode step's state update is the
+    training forward's. Without the mode the chunked prefill departs from the decode steps."""
+    from test_hybrid import hf_model, ours_for
+
+    from speedllm.generation.rollout import completion_logprobs, rollout
+    from speedllm.generation.sampling import Sampling
+
+    ours = ours_for(hf_model(kind, seed=4))
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(3, 100, (4, 21), generator=gen)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+    prompts = [torch.randint(3, 100, (n,), generator=gen).tolist() for n in (3, 8)]
+
+    def rollout_and_training_forward():
+        generators = [torch.Generator().manual_seed(s) for s in (1, 2)]
+        ro = rollout(ours, prompts, 3, 10, Sampling(temperature=0.9), generators, [0], 0, dtype)
+        return ro, completion_logprobs(ours, ro, 0.9)[0]
+
+    with bi.mode(), torch.no_grad(), autocast:
+        batch = ours(tokens)
+        for i in range(4):
+            assert torch.equal(ours(tokens[i:i + 1]), batch[i:i + 1]), i
+        ro, trained = rollout_and_training_forward()
+    assert torch.equal(trained, ro.logprobs) and bool(ro.completion_mask.any())
+    with torch.no_grad(), autocast:
+        ro, trained = rollout_and_training_forward()
+    assert not torch.equal(trained, ro.logprobs)  # what the mode removes
+
+
 DENSE = ["model=qwen3_tiny", "model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2",
          "model.head_dim=16"]
 MOE = ["model=qwen3_moe_tiny", "model.hidden_size=64", "model.num_hidden_layers=2", "model.head_dim=16",
        "model.moe_intermediate_size=32"]
-RL = ["task=grpo", "hardware=cpu", "rl.prompts_per_step=4", "rl.group_size=4", "rl.max_new_tokens=6",
+RL = ["task=grpo", "hardware=cpu", "rl.group_size=4", "rl.max_new_tokens=6",
       "rl.kl_coef=0.05", "rl.mini_batches=2", "optim.lr=1e-3", "optim.warmup_steps=0", "logging.progress_bar=false",
       "logging.tensorboard=false", "checkpoint.save_final=false",
       "rl.rewards=[{_target_: test_grpo_task.vowels, weight: 1.0}]"]
 
 
-def grpo(tmp_path, launch, name, *overrides):
+HYBRID_MOE = ["model=qwen3_5_moe_tiny", "model.hidden_size=64", "model.moe_intermediate_size=32",
+              "model.shared_expert_intermediate_size=32", "model.head_dim=16", "model.linear_key_head_dim=16",
+              "model.linear_value_head_dim=16"]  # 3 Gated DeltaNet layers, 1 gated attention, a shared expert
+
+
+def grpo(tmp_path, launch, name, *overrides, prompts=2):
     run_dir = tmp_path / name
-    code, _, err = launch(run_dir, *RL, *overrides, timeout=900)
+    code, _, err = launch(run_dir, *RL, f"rl.prompts_per_step={prompts}", *overrides, timeout=900)
     assert code == 0, err[-3000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -142,8 +181,15 @@ def test_grpo_logprob_diff_is_zero_for_30_steps(dtype, tmp_path, launch, rewards
               "hardware.batch_invariant=true")
     assert len(on) == 30 and all(r["rl/logprob_diff"] == 0.0 for r in on), [r["rl/logprob_diff"] for r in on]
     assert on[-1]["rl/kl"] > 0  # it trained
-    off = grpo(tmp_path, launch, "off", *DENSE, "train.steps=3", f"hardware.dtype={dtype}")
+    off = grpo(tmp_path, launch, "off", *DENSE, "train.steps=3", f"hardware.dtype={dtype}", prompts=4)
     assert max(r["rl/logprob_diff"] for r in off) > 0  # what the mode removes
+
+
+@pytest.mark.slow
+def test_grpo_logprob_diff_is_zero_on_a_hybrid_moe_in_bf16(tmp_path, launch, rewards_importable):
+    records = grpo(tmp_path, launch, "hybrid", *HYBRID_MOE, "train.steps=3", "rl.max_new_tokens=4",
+                   "hardware.dtype=bfloat16", "hardware.batch_invariant=true")
+    assert len(records) == 3 and all(r["rl/logprob_diff"] == 0.0 for r in records), records
 
 
 @pytest.mark.slow
@@ -151,8 +197,10 @@ def test_grpo_logprob_diff_is_zero_for_30_steps(dtype, tmp_path, launch, rewards
 @pytest.mark.parametrize("layout", ["fsdp2", "tp2", "ep2"])
 def test_grpo_logprob_diff_is_zero_under_layouts(layout, tmp_path, launch, rewards_importable):
     model = MOE if layout == "ep2" else DENSE
-    # tp2 in bf16 is not covered yet: from step 3 every token differs by ~2e-3 (docs/benchmarks/rl.md)
-    for dtype in ("float32",) if layout == "tp2" else ("float32", "bfloat16"):
+    # tp2 bf16: q_norm / k_norm run on head-sharded DTensors; their output must stay bf16 (speedllm.ops.cpu.rms_norm)
+    # or the attention falls back to SDPA, whose causal path differs between a decode step and the full sequence
+    # (step 3 of this run, the first whose prompts have no padding)
+    for dtype in ("float32", "bfloat16"):
         records = grpo(tmp_path, launch, dtype, *model, "train.steps=4", f"hardware.dtype={dtype}",
                        "hardware.batch_invariant=true", f"parallel={layout}")
         assert all(r["rl/logprob_diff"] == 0.0 for r in records), (dtype, [r["rl/logprob_diff"] for r in records])

@@ -1,6 +1,6 @@
 """Context parallelism on hybrid models (Gated DeltaNet + attention layers) trains like the single process.
 
-Four SFT steps of tiny random transformers-built Qwen3.5 and Qwen3-Next directories (`model=hf`), at seq_len 128,
+Four SFT steps of tiny random transformers-built Qwen3.5 and Qwen3-Next directories (`model=hf`), at seq_len 64,
 under cp2 and cp4 in every parallel.cp_mode, packed and unpacked (Qwen3-Next, MoE: cp2 ring packed; its 5 experts
 do not load sharded over 4 ranks, a loader limit of its own) (packed documents cross the chunk boundaries, so
 the carried state resets there), must give the single process' losses within 1e-5 (relative). One spawned job
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 # 4 query heads: ulysses over 4 ranks needs heads % cp == 0; 1 kv head is repeated for the all-to-all
 HEADS = dict(num_attention_heads=4, num_key_value_heads=1, vocab_size=8192)
 KINDS = {"dense": "qwen3_5", "next": "qwen3_next"}
-STEPS = ["train.steps=4", "train.seq_len=128"]
+STEPS = ["train.steps=4", "train.seq_len=64"]
 
 
 def layouts(cp: int) -> dict:

@@ -1,6 +1,6 @@
 """task=serve through the official `openai` client: greedy answers equal transformers' greedy generate on the
 rendered prompt (which tests/test_generate.py holds equal to task=generate), streaming gives the same text,
-usage is exact, bad requests get OpenAI-shaped 400s, concurrent clients get their single-request answers, a
+usage is exact, bad requests get OpenAI-shaped 400s, concurrent clients get their single-request answers (in bf16 too, in batch-invariant mode), a
 client leaving mid-stream frees its row, SIGTERM stops the server."""
 
 import asyncio
@@ -154,9 +154,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     assert reply.usage.completion_tokens >= 1
 
 
-def test_concurrent_clients_get_their_single_request_answers(server):
-    """16 clients at once (8 rows: half wait, then join as rows free up) = each prompt sent alone."""
-    _, _, client, _, _ = server
+def answers_alone_and_together(client):
+    """16 clients at once (8 rows: half wait, then join as rows free up) and each prompt sent alone."""
     words = "king queen lord lady sword crown night day love hate war peace heaven earth fire water".split()
     prompts = [f"{name}:\nThe {word}" for name, word in zip(("ROMEO", "JULIET", "KING", "First Citizen") * 4, words)]
 
@@ -166,8 +165,24 @@ def test_concurrent_clients_get_their_single_request_answers(server):
 
     alone = [ask(p) for p in prompts]
     with ThreadPoolExecutor(len(prompts)) as pool:
-        assert list(pool.map(ask, prompts)) == alone
+        together = list(pool.map(ask, prompts))
     assert len(set(alone)) > 8
+    return alone, together
+
+
+def test_concurrent_clients_get_their_single_request_answers(server):
+    alone, together = answers_alone_and_together(server[2])
+    assert together == alone
+
+
+def test_bf16_answers_do_not_depend_on_the_batch_in_batch_invariant_mode(hf_dir):
+    """In bf16 a greedy answer can change with the requests batched beside it (the GEMMs' and attention's summation
+    order follows the batch's rows and the cache's length); hardware.batch_invariant=true fixes that order, so
+    each concurrent answer equals the same request sent alone, as in float32."""
+    path, _, _ = hf_dir
+    with serving(path, "hardware.dtype=bfloat16", "hardware.batch_invariant=true") as (_, _, client):
+        alone, together = answers_alone_and_together(client)
+    assert together == alone
 
 
 def test_a_client_leaving_mid_stream_frees_its_row(server):

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speedllm.ops import Ops
+from speedllm.ops.batch_invariant import elementwise
 
 
 class GatedRMSNorm(nn.Module):
@@ -37,7 +38,7 @@ class GatedRMSNorm(nn.Module):
         self.ops = ops
 
     def forward(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return (self.ops.rms_norm(o, self.weight, self.eps) * F.silu(z.float())).to(o.dtype)
+        return (self.ops.rms_norm(o, self.weight, self.eps) * elementwise(F.silu, z.float())).to(o.dtype)
 
 
 def causal_conv(x_BSC: torch.Tensor, weight_CW: torch.Tensor, past_BCW: Optional[torch.Tensor],
@@ -61,7 +62,7 @@ def causal_conv(x_BSC: torch.Tensor, weight_CW: torch.Tensor, past_BCW: Optional
             same[:, back:] = document_ids[:, back:] == document_ids[:, :-back]
             tap = tap * same[..., None]
         y = y + tap
-    return F.silu(y), padded[:, S:].transpose(1, 2)
+    return elementwise(F.silu, y), padded[:, S:].transpose(1, 2)
 
 
 class GatedDeltaRule(nn.Module):
@@ -80,8 +81,8 @@ class GatedDeltaRule(nn.Module):
         q, k, v = qkv.view(B, S, -1, 2 * self.k_dim + self.group * self.v_dim).split(
             [self.k_dim, self.k_dim, self.group * self.v_dim], dim=-1)
         v = v.reshape(B, S, -1, self.v_dim)
-        beta = b_BSH.sigmoid()
-        g = -A_log.float().exp() * F.softplus(a_BSH.float() + dt_bias)
+        beta = elementwise(torch.sigmoid, b_BSH)
+        g = -A_log.float().exp() * elementwise(F.softplus, a_BSH.float() + dt_bias)
         if state is not None and S == 1:
             o, state = self.ops.recurrent_gated_delta_rule(q, k, v, g, beta, state)
         elif cu_seqlens is not None:  # packed rows back to back: one sequence of documents

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speedllm.ops import Ops
+from speedllm.ops.batch_invariant import elementwise
 
 
 class MLP(nn.Module):
@@ -106,7 +107,7 @@ class MoE(nn.Module):
         y = self.experts(x_ND[token_of_row], counts_E, self.ops) * weights_Nk.reshape(-1, 1)[order]
         out_ND = torch.zeros_like(x_ND).index_add_(0, token_of_row, y)
         if self.shared_expert is not None:
-            out_ND = out_ND + torch.sigmoid(self.shared_expert_gate(x_ND)) * self.shared_expert(x_ND)
+            out_ND = out_ND + elementwise(torch.sigmoid, self.shared_expert_gate(x_ND)) * self.shared_expert(x_ND)
 
         entropy_N = torch.special.entr(probs_NE.detach()).sum(dim=-1)  # -sum p ln p
         if token_mask is None:

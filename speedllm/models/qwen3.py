@@ -23,6 +23,7 @@ from speedllm.models.kv_cache import SlotCache, layer_kinds
 from speedllm.models.moe import MLP, MoE, load_balancing_loss, pack_stats, unpack_stats
 from speedllm.models.rope import inverse_frequencies
 from speedllm.ops import Ops, get_ops
+from speedllm.ops.batch_invariant import elementwise
 from speedllm.ops.loss import chunked_cross_entropy
 
 
@@ -88,7 +89,7 @@ class Attention(nn.Module):
                 k_BKTD, v_BKTD = kv_cache.update(self.layer_id, k_BKTD, v_BKTD)
             out = self.ops.attention(q_BHSD, k_BKTD, v_BKTD, mask, self.scale).transpose(1, 2).reshape(B, S, -1)
         if self.gated:
-            out = out * torch.sigmoid(gate.reshape(B, S, -1))
+            out = out * elementwise(torch.sigmoid, gate.reshape(B, S, -1))
         return self.o_proj(out)
 
 

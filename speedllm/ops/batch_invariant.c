@@ -1,7 +1,8 @@
 /* Batch-invariant CPU kernels (hardware.batch_invariant): a matmul and an attention whose every output element is
  * summed in one fixed order, whatever the number of rows, the rows beside it, the key length or the thread count.
  *
- *   mm:        y[m, n] = sum_k x[m, k] w[n, k]; x [M, K], w [N, K] (a linear layer's weight), y [M, N]
+ *   mm:        y[m, n] = sum_k x[m, k] w[n, k]; x [M, K], w [N, K] (a linear layer's weight), y [M, N]; batched
+ *              (bmm: `batch` such products back to back, one call)
  *   attention: o[b, h, i] = sum_j softmax_j(scale q_i . k_j) v_j over the keys j query i may attend to (the causal
  *              ones, the queries being the last S of the T keys, or those a [B, S, T] mask allows), GQA
  *
@@ -162,19 +163,21 @@ DOTS(dots_bf16, bf16, bf16_load)
  * passes over them). The tiling decides only where a sum is computed, never its order. */
 #define CHUNK_BYTES (192 * 1024)
 #define MM(NAME, T, DOTS, STORE)                                                                                       \
-    void NAME(const T *x, const T *w, T *y, long M, long N, long K, int threads) {                                   \
+    void NAME(const T *x, const T *w, T *y, long batch, long M, long N, long K, int threads) {                       \
         long mb = (M + RB - 1) / RB, nc = CHUNK_BYTES / (K * (long)sizeof(T)) / CB * CB;                             \
         nc = nc < CB ? CB : nc;                                                                                      \
-        long chunks = (N + nc - 1) / nc;                                                                             \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)") for (long t = 0; t < chunks * mb; t++) {   \
-            long m0 = (t % mb) * RB, ra = M - m0 < RB ? M - m0 : RB, first = (t / mb) * nc;                          \
-            long last = first + nc < N ? first + nc : N;                                                             \
+        long chunks = (N + nc - 1) / nc, tiles = chunks * mb;                                                        \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)") for (long t = 0; t < batch * tiles; t++) { \
+            long i = t / tiles, m0 = (t % tiles % mb) * RB, ra = M - m0 < RB ? M - m0 : RB;                          \
+            long first = (t % tiles / mb) * nc, last = first + nc < N ? first + nc : N;                              \
+            const T *xi = x + i * M * K, *wi = w + i * N * K;                                                        \
+            T *yi = y + i * M * N;                                                                                   \
             for (long n0 = first; n0 < last; n0 += CB) {                                                             \
                 long cb = last - n0 < CB ? last - n0 : CB;                                                           \
                 float out[RB][CB];                                                                                   \
-                DOTS(x + m0 * K, w + n0 * K, ra, cb, K, out);                                                        \
+                DOTS(xi + m0 * K, wi + n0 * K, ra, cb, K, out);                                                      \
                 for (long r = 0; r < ra; r++)                                                                        \
-                    for (long c = 0; c < cb; c++) y[(m0 + r) * N + n0 + c] = STORE(out[r][c]);                       \
+                    for (long c = 0; c < cb; c++) yi[(m0 + r) * N + n0 + c] = STORE(out[r][c]);                      \
             }                                                                                                        \
         }                                                                                                            \
     }

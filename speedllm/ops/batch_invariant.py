@@ -6,7 +6,9 @@ training forward over the whole sequences, and rl/logprob_diff is exactly 0.
 `mode(True)` routes torch's CPU `mm`, `addmm` and `bmm` (what linear layers, the output layer and the MoE experts call,
 forward and backward, also inside DTensor and autocast) to the fixed-order kernel for the run, and `attention` is
 the op set's attention while the mode is on: its forward is the fixed-order kernel, its backward the reference's
-(gradients need no invariance). The norms, rotary, SwiGLU and log-softmax already compute each row on its own.
+(gradients need no invariance). The norms, rotary, SwiGLU and log-softmax already compute each row on its own;
+the hybrid models' sigmoid / SiLU / softplus / exp gates go through `elementwise`, and their gated delta rule
+runs token by token (speedllm.ops.cpu.chunk_gated_delta_rule).
 Other dtypes than fp32 and bf16 are products summed by torch.sum (rare: nothing of the model's).
 """
 
@@ -21,7 +23,7 @@ from speedllm.native import c_function
 
 SOURCE = Path(__file__).with_name("batch_invariant.c")
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-_MM = (_P, _P, _P, _L, _L, _L, _I)
+_MM = (_P, _P, _P, _L, _L, _L, _L, _I)
 _ATTENTION = (_P,) * 5 + (_L,) * 6 + (ctypes.c_float, _I)
 _SUFFIX = {torch.float32: "", torch.bfloat16: "_bf16"}
 _active = False
@@ -47,25 +49,26 @@ def _supported(*tensors) -> bool:
 
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [M, K] @ b [K, N], each element summed over K in the kernel's fixed order."""
+    return bmm(a[None], b[None])[0]
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B, M, K] @ b [B, K, N] in one kernel call, each entry as `mm` computes it."""
     if not _supported(a, b):
-        return (a[:, :, None] * b[None]).sum(1)  # no matmul: the mode replaces them
-    (M, K), N = a.shape, b.shape[1]
-    x, w = a.contiguous(), b.t().contiguous()  # w [N, K]: a linear weight's own layout, no copy
-    y = torch.empty(M, N, dtype=a.dtype)
-    if M and N:
+        return (a[..., None] * b[:, None]).sum(2)  # no matmul: the mode replaces them
+    (B, M, K), N = a.shape, b.shape[2]
+    x, w = a.contiguous(), b.transpose(1, 2).contiguous()  # w [B, N, K]: a linear weight's own layout, no copy
+    y = torch.empty(B, M, N, dtype=a.dtype)
+    if B and M and N:
         if K == 0:
             return y.zero_()
-        _kernel("bi_mm", a.dtype, _MM)(x.data_ptr(), w.data_ptr(), y.data_ptr(), M, N, K, torch.get_num_threads())
+        threads = torch.get_num_threads() if B * M * N * K >= 1 << 18 else 1  # waking a team costs more
+        _kernel("bi_mm", a.dtype, _MM)(x.data_ptr(), w.data_ptr(), y.data_ptr(), B, M, N, K, threads)
     return y
 
 
 def _mm_out(a, b, *, out):
     return out.copy_(mm(a, b))
-
-
-def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [B, M, K] @ b [B, K, N], one fixed-order mm per batch entry."""
-    return torch.stack([mm(x, y) for x, y in zip(a, b)]) if len(a) else a.new_empty(0, a.shape[1], b.shape[2])
 
 
 def _addmm(bias, a, b, *, beta=1, alpha=1):
@@ -88,7 +91,7 @@ class _Attention(torch.autograd.Function):
         out = torch.empty_like(qc)
         _kernel("bi_attention", q.dtype, _ATTENTION)(
             qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), None if allowed is None else allowed.data_ptr(),
-            out.data_ptr(), B, H, KV, S, T, D, scale, torch.get_num_threads())
+            out.data_ptr(), B, H, KV, S, T, D, scale, torch.get_num_threads() if B * H * S * T * D >= 1 << 18 else 1)
         return out
 
     @staticmethod
@@ -111,6 +114,18 @@ def attention(q, k, v, mask, scale):
 
         return reference(q, k, v, mask, scale)
     return _Attention.apply(q, k, v, mask, q.shape[-1] ** -0.5 if scale is None else float(scale))
+
+
+def elementwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for an elementwise fn (sigmoid, SiLU, softplus, exp); in the mode, every element by torch's scalar
+    formula. torch's vectorized loop computes the elements past the last full vector with the scalar formula, and a
+    transcendental's two formulas can differ in the last bit, so an element's value would depend on how many came
+    before it in the tensor (e.g. the rows of its batch). A strided copy takes the scalar loop for all of them."""
+    if not _active or type(x) is not torch.Tensor or x.device.type != "cpu":
+        return fn(x)
+    spread = x.new_empty(*x.shape, 2)[..., 0]
+    spread.copy_(x)
+    return fn(spread)
 
 
 @contextlib.contextmanager

@@ -21,9 +21,9 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from speedllm.native import isa, load
-from speedllm.ops import IGNORE_INDEX, batch_invariant, reference
+from speedllm.ops import IGNORE_INDEX, batch_invariant, gated_delta_cpu, reference
 from speedllm.ops.reference import cross_entropy, varlen_attention
-from speedllm.ops.gated_delta_cpu import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from speedllm.ops.gated_delta_cpu import recurrent_gated_delta_rule
 
 __all__ = ["rms_norm", "rotary", "attention", "varlen_attention", "swiglu", "grouped_mm", "cross_entropy",
            "cross_entropy_grad_", "chunk_gated_delta_rule", "recurrent_gated_delta_rule"]
@@ -123,9 +123,10 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """In x's dtype: under bf16 autocast (a bf16 x, an fp32 weight) bf16, as the accelerators' op sets."""
+    """In x's dtype: under bf16 autocast (a bf16 x, an fp32 weight) bf16, as the accelerators' op sets, also where
+    the kernel does not take the tensors (DTensors under tensor parallelism: q_norm / k_norm run sharded by head)."""
     if not (_fused(x, params=(weight,)) and weight.is_contiguous() and weight.shape == x.shape[-1:]):
-        return reference.rms_norm(x, weight, eps)
+        return reference.rms_norm(x, weight, eps).to(x.dtype)
     return _RMSNorm.apply(x, weight, eps) if _needs_grad(x, weight) else _rms_norm_fwd(x, weight, eps)[1]
 
 
@@ -258,6 +259,19 @@ def attention(q, k, v, mask, scale):
             and q.dtype == torch.bfloat16 and _needs_grad(q, k, v)):
         return _CausalAttention.apply(q, k, v, Dh ** -0.5 if scale is None else scale)
     return reference.attention(q, k, v, mask, scale)
+
+
+def chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state=None, cu_seqlens=None):
+    """gated_delta_cpu's chunked form; in batch-invariant mode the recurrent form, token by token from the state
+    (zeros where none), as a decode step computes it: a prefill, its decode steps and the training forward then
+    give a token the same bits (its matmuls are batch-invariant mode's). Slower (a Python step per token, every
+    state kept for backward), as the mode is. Packed documents (cu_seqlens) stay chunked."""
+    if batch_invariant.active() and cu_seqlens is None:
+        if initial_state is None:
+            (B, _, H, V), K = v_BSHV.shape, k_BSHK.shape[-1]
+            initial_state = torch.zeros(B, H, K, V)
+        return recurrent_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state)
+    return gated_delta_cpu.chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state, cu_seqlens)
 
 
 class _GroupedMM(torch.autograd.Function):

@@ -36,6 +36,7 @@ from torch.autograd.function import once_differentiable
 
 from speedllm.native import c_function
 from speedllm.ops import gated_delta
+from speedllm.ops.batch_invariant import elementwise
 from speedllm.ops.gated_delta import CHUNK, l2norm
 
 KERNEL_SOURCE = Path(__file__).with_name("gated_delta_kernels.c")
@@ -318,7 +319,7 @@ def recurrent_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, state):
     q, k = (l2norm(x.float()).view(B, S, Hk, 1, 1, K) for x in (q_BSHK, k_BSHK))
     q = q * K ** -0.5
     v = v_BSHV.float().view(B, S, Hk, H // Hk, 1, V)
-    decay, beta = (x.float().view(B, S, Hk, H // Hk, 1, 1) for x in (g_BSH.exp(), beta_BSH))
+    decay, beta = (x.float().view(B, S, Hk, H // Hk, 1, 1) for x in (elementwise(torch.exp, g_BSH), beta_BSH))
     state = state.float().view(B, Hk, H // Hk, K, V)
     outs = []
     for t in range(S):
