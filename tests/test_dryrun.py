@@ -119,3 +119,20 @@ def test_distill_teacher_is_counted_as_built(parallel, world, config, hf_dir):
             assert held == pytest.approx(whole / world, rel=0.01)  # FSDP2 pads uneven dim-0 shards
         else:
             assert whole / 2 < held < whole  # norms (and the tied table's rows) are whole on every rank
+
+
+def test_hybrid_pipeline_ranks_hold_the_split_the_planner_costs(config):
+    """A hybrid model whose attention layers come last, at 4096 tokens: the run's stage split (built by
+    parallelize, as training builds it) is the planner's split by cost, not by count, and each pipeline rank
+    holds the planner's exact bytes."""
+    from speedllm.parallel.pipeline import stage_layers
+
+    kinds = ["linear_attention"] * 6 + ["full_attention"] * 2
+    cfg = config("model=qwen3_5_tiny", "model.num_hidden_layers=8", "model.layer_types=[" + ",".join(kinds) + "]",
+                 "train.seq_len=4096", "parallel=pp2", world=2)
+    split = stage_layers(cfg.model, 2, 4096)
+    assert split == [6, 2]  # an attention layer costs about three Gated DeltaNet layers at this length
+    for rank, layers in ((0, range(0, 6)), (1, range(6, 8))):
+        r = build_rank(cfg, rank, 2)
+        assert r.layers == list(layers)
+        assert (r.params, r.grads, r.optimizer) == r.planned, rank

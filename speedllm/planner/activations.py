@@ -260,9 +260,8 @@ def rank_memory(m, layout: Layout, sp: StageParams, pp_rank: int, seq_len: int,
            for linear, moe in sp.layer_mix}
     act_full = {(linear, moe): layer_activation_bytes(m, full, seq_len, e, moe, tp_dims, ops, linear)
                 for linear, moe in sp.layer_mix}
-    # average layer of this rank times the layers of its largest stage
-    avg = sum(count * act[mix] for mix, count in sp.layer_mix.items()) / sp.layers
-    per_stage_act = avg * max_stage_layers
+    # the costliest of this rank's stages, each layer by its own kind (a stage's micro-batch holds all its layers)
+    per_stage_act = max(sum(count * act[mix] for mix, count in stage.items()) for stage in sp.stage_mixes)
     # a recomputed layer is rebuilt whole in backward; the loss's chunk logits live only inside its forward
     working = 0.0 if layout.recompute == "none" else max(act_full.values(), default=0.0)
     head = 0.0

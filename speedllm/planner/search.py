@@ -17,6 +17,7 @@ from typing import Dict, List, Optional
 from omegaconf import OmegaConf
 
 from speedllm.hardware import DTYPES
+from speedllm.parallel.pipeline import stage_layers
 from speedllm.models.kv_cache import cache_bytes
 from speedllm.parallel.rules import (
     batch_errors,
@@ -30,7 +31,7 @@ from speedllm.parallel.rules import (
     sequence_errors,
 )
 from speedllm.planner.cpu_time import layer_and_rest_seconds
-from speedllm.planner.layout import Layout, stage_layers, uneven
+from speedllm.planner.layout import Layout, uneven
 from speedllm.planner.memory import (
     GIB,
     Memory,
@@ -132,9 +133,14 @@ class Planner:
         self.mt = model_tensors(problem.model)
         self.tp_facts = tp_facts(self.mt)
         self._params = {}
+        self._splits = {}
 
     def split(self, layout: Layout, explicit=None) -> List[int]:
-        return stage_layers(self.p.model.num_hidden_layers, layout.pp * layout.vpp, explicit)
+        """Layers per stage: `explicit` (parallel.pp_layers) or the run's own split by cost (stage_layers)."""
+        key = (layout.pp * layout.vpp, None if explicit is None else tuple(explicit))
+        if key not in self._splits:
+            self._splits[key] = stage_layers(self.p.model, key[0], self.p.seq_len, key[1])
+        return list(self._splits[key])
 
     def rank_params(self, layout: Layout, split: List[int]) -> list:
         key = (layout.tp, layout.pp, layout.vpp, layout.dp, layout.ep, layout.cp, layout.fsdp, tuple(split))
