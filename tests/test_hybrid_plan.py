@@ -1,0 +1,82 @@
+"""The planner on random hybrid models (Qwen3.5 / Qwen3-Next style: random widths, layer patterns, dense or MoE,
+Gated DeltaNet head counts): every layout it ranks passes validation, and each pipeline rank of the layouts it
+ranks holds, as built by parallelize on the meta device (task=dryrun's build_rank), the planner's exact bytes."""
+
+import random
+
+import pytest
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from speedllm.config import compose_config
+from speedllm.config.validate import check_world, validate_layout
+from speedllm.planner.layout import apply_layout, uneven
+from speedllm.planner.search import Planner, problem_from_config
+from speedllm.tasks.dryrun import build_rank
+
+pytestmark = pytest.mark.unit
+
+WORLD = 4
+
+
+def random_hybrid(rng: random.Random) -> list:
+    """Model overrides of a random hybrid model (at least one layer of each kind)."""
+    layers = rng.randint(2, 7)
+    kinds = ["linear_attention", "full_attention"] + [rng.choice(["linear_attention", "full_attention"])
+                                                      for _ in range(layers - 2)]
+    rng.shuffle(kinds)
+    heads = rng.choice([2, 4, 8])
+    key_heads = rng.choice([1, 2, 4])
+    overrides = [f"model.hidden_size={rng.choice([32, 48, 64, 96])}", f"model.num_hidden_layers={layers}",
+                 "model.layer_types=[" + ",".join(kinds) + "]", f"model.num_attention_heads={heads}",
+                 f"model.num_key_value_heads={rng.choice([h for h in (1, 2, 4) if heads % h == 0])}",
+                 f"model.head_dim={rng.choice([8, 16])}", f"model.linear_num_key_heads={key_heads}",
+                 f"model.linear_num_value_heads={key_heads * rng.choice([1, 2, 3])}",
+                 f"model.linear_key_head_dim={rng.choice([8, 16])}",
+                 f"model.linear_value_head_dim={rng.choice([8, 16, 24])}",
+                 f"model.linear_conv_kernel_dim={rng.choice([2, 4])}",
+                 f"model.linear_fused_projections={rng.choice([True, False])}",
+                 f"model.tie_word_embeddings={rng.choice([True, False])}", "model.vocab_size=512",
+                 "model.max_position_embeddings=16384"]
+    if rng.random() < 0.5:
+        return ["model=qwen3_5_tiny", *overrides, f"model.intermediate_size={rng.choice([40, 64, 96])}"]
+    experts = rng.choice([2, 4, 6, 8])
+    return ["model=qwen3_5_moe_tiny", *overrides, f"model.num_experts={experts}",
+            f"model.num_experts_per_tok={rng.randint(1, 2)}", f"model.moe_intermediate_size={rng.choice([16, 24])}",
+            f"model.shared_expert_intermediate_size={rng.choice([0, 32])}"]
+
+
+def test_random_hybrid_models_plan_valid_layouts_whose_ranks_hold_the_planned_bytes():
+    rng = random.Random(47)
+    built = set()
+    try:
+        for _ in range(8):
+            model = random_hybrid(rng)
+            cfg = compose_config("task=pretrain", "run_dir=/unused", "hardware=h100", "hardware.dtype=float32",
+                                 f"launcher.nproc_per_node={WORLD}", "train.seq_len=8192",
+                                 "train.global_batch_size=8", *model)
+            planner = Planner(problem_from_config(cfg, WORLD))
+            ranked = planner.search().fitting
+            assert ranked, model
+            explicit = OmegaConf.to_object(cfg)
+            for est in ranked:
+                apply_layout(est.layout, explicit.parallel, explicit.train, uneven(planner.split(est.layout)))
+                validate_layout(explicit, WORLD)
+                check_world(explicit, WORLD)
+            # each ranked placement once (micro batch and recompute do not move weights)
+            layouts = {(e.layout.pp, e.layout.vpp, e.layout.ep, e.layout.cp, e.layout.fsdp): e.layout
+                       for e in ranked}
+            for layout in layouts.values():
+                apply_layout(layout, explicit.parallel, explicit.train, uneven(planner.split(layout)))
+                memories = planner.rank_memories(layout)
+                for pp_rank in range(layout.pp):
+                    r = build_rank(explicit, pp_rank * WORLD // layout.pp, WORLD)  # the first rank of its stage
+                    mem = memories[pp_rank]
+                    assert (r.params, r.grads, r.optimizer) == (mem.params, mem.grads, mem.optimizer), (model, layout)
+                    built.add(layout.short().split(" mb")[0])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    print(f"built: {sorted(built)}")
+    assert any(" pp2" in b or "pp4" in b for b in built) and any("ep" in b for b in built) \
+        and any("cp" in b for b in built)
