@@ -136,3 +136,39 @@ def test_hybrid_pipeline_ranks_hold_the_split_the_planner_costs(config):
         r = build_rank(cfg, rank, 2)
         assert r.layers == list(layers)
         assert (r.params, r.grads, r.optimizer) == r.planned, rank
+
+
+@pytest.mark.parametrize("model", ["qwen3_5_397b_a17b", "qwen3_next_80b_a3b"])
+def test_published_hybrid_models_on_their_planned_256_h100_layout_hold_the_planned_bytes(model):
+    """task=dryrun parallel=auto on h100 x 256 (4096 tokens, 1024 sequences a step) builds task=plan's first
+    layout from the published config; every sampled rank (first and last stage, first and last expert group)
+    holds within 10% of the plan's bytes for its pipeline rank, the first rank of a stage exactly."""
+    from omegaconf import OmegaConf
+
+    from speedllm.config.resolve import choose_layout
+    from speedllm.config.schema import typed
+    from speedllm.planner.layout import layout_from_config
+    from speedllm.planner.search import Planner, problem_from_config
+    from speedllm.tasks.dryrun import line
+
+    cfg = compose_config("task=dryrun", "parallel=auto", f"model={model}", "hardware=h100", "launcher.nnodes=32",
+                         "launcher.nproc_per_node=8", "train.seq_len=4096", "train.global_batch_size=1024",
+                         "run_dir=unused")
+    OmegaConf.set_struct(cfg, False)
+    planner = Planner(problem_from_config(cfg, 256))
+    best = planner.search().best
+    choose_layout(cfg)
+    cfg = typed(cfg)
+    assert layout_from_config(cfg.parallel, cfg.train) == best.layout and best.layout.pp > 1
+    memories = planner.rank_memories(best.layout, cfg.parallel.pp_layers)
+    try:
+        for rank in sample_ranks(cfg.parallel, 256):
+            r = build_rank(cfg, rank, 256)
+            mem = memories[r.coords["pp"][0]]
+            for built, planned in zip((r.params, r.grads, r.optimizer), (mem.params, mem.grads, mem.optimizer)):
+                assert abs(built - planned) <= 0.1 * planned, (rank, line(r))
+            if rank % (256 // cfg.parallel.pp) == 0:
+                assert line(r).endswith("= task=plan's exact bytes")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
