@@ -80,3 +80,22 @@ def test_random_hybrid_models_plan_valid_layouts_whose_ranks_hold_the_planned_by
     print(f"built: {sorted(built)}")
     assert any(" pp2" in b or "pp4" in b for b in built) and any("ep" in b for b in built) \
         and any("cp" in b for b in built)
+
+
+def test_gdn_context_parallel_chunks_shorter_than_the_conv_tail_are_refused():
+    """cp2 cuts a sequence into 4 chunks: at 8 tokens each holds 2, fewer than the 3 conv inputs (kernel 4) a
+    chunk hands to the next, which the packed-document masks cannot reach back across; 12 tokens run."""
+    from speedllm.errors import UserError
+
+    def check(seq_len, model="qwen3_5_tiny"):
+        cfg = OmegaConf.to_object(compose_config("task=sft", "run_dir=/unused", f"model={model}", "parallel=cp2",
+                                                 f"train.seq_len={seq_len}"))
+        validate_layout(cfg, 2)
+
+    with pytest.raises(UserError) as e:
+        check(8)
+    assert str(e.value) == ("train.seq_len=8 over parallel.cp=2 leaves Gated DeltaNet chunks of 2 tokens (2 x cp "
+                            "per sequence), fewer than the 3 conv inputs a chunk carries to the next; raise "
+                            "train.seq_len to 12 or more, or lower parallel.cp")
+    check(12)
+    check(8, "qwen3_tiny")  # attention alone carries nothing from chunk to chunk
