@@ -99,3 +99,42 @@ def test_gdn_context_parallel_chunks_shorter_than_the_conv_tail_are_refused():
                             "train.seq_len to 12 or more, or lower parallel.cp")
     check(12)
     check(8, "qwen3_tiny")  # attention alone carries nothing from chunk to chunk
+
+
+@pytest.mark.parametrize("ops", ["reference", "cpu"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gdn_activation_bytes_are_what_autograd_saves(ops, dtype):
+    """A Gated DeltaNet mixer's forward: the bytes of the tensors autograd saves for backward (distinct storages,
+    neither the weights nor the input), per token, within 5% of the planner's term for that op set and dtype
+    (two head shapes; the reference twin keeps the chunked rule's intermediates, the CPU kernel its chunk
+    states)."""
+    import torch
+
+    from speedllm.hardware import DTYPES
+    from speedllm.models.qwen3 import Qwen3
+    from speedllm.ops.gated_delta_cpu import kernel
+    from speedllm.planner.activations import gdn_activation_bytes, saved_bytes_per_element
+
+    if ops == "cpu" and kernel() is None:
+        pytest.skip("no C compiler here: the cpu op set runs the reference twin")
+    torch_dtype = DTYPES[dtype]
+    for heads in ([], ["model.linear_key_head_dim=16", "model.linear_value_head_dim=48",
+                       "model.linear_num_value_heads=8"]):
+        m = compose_config("model=qwen3_5_tiny", "model.num_hidden_layers=1", "model.layer_types=[linear_attention]",
+                           *heads).model
+        mixer = Qwen3(m, ops=ops).to(torch_dtype).layers["0"].linear_attn
+        x = torch.randn(2, 128, m.hidden_size, dtype=torch_dtype, requires_grad=True)
+        kept = {p.untyped_storage().data_ptr() for p in mixer.parameters()} | {x.untyped_storage().data_ptr()}
+        saved = {}
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in kept:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            mixer(x)
+        e = torch_dtype.itemsize
+        planned = gdn_activation_bytes(m, e, saved_bytes_per_element(ops, e)[0], ops)
+        assert planned == pytest.approx(sum(saved.values()) / (2 * 128), rel=0.05), heads

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Tuple
 
 from speedllm.hardware import DTYPES
+from speedllm.models.flops import GDN_CHUNK
 from speedllm.ops.loss import chunk_rows
 from speedllm.parallel.rules import ulysses_degree
 from speedllm.planner.layout import Layout
@@ -79,20 +80,31 @@ def saved_bytes_per_element(ops: str, e: int) -> Tuple[int, int, int]:
     return 4 + e, 0, 4 * e
 
 
-def gdn_activation_bytes(m, e: int, norm_b: int) -> float:
-    """Bytes a Gated DeltaNet mixer saves per token for backward (no recompute; speedllm.models.gated_deltanet,
-    the chunked gated delta rule of speedllm.ops): the projections' outputs (q, k, v channels C, z, a, b), the
-    conv's padded input and pre-SiLU output and its SiLU output (the rule's input), the fp32 decay and beta, the
-    rule's per-token fp32 work (its UT-transformed keys and values) and its state at each 64-token chunk start,
-    the gated norm's fp32 output, gate and product, and out_proj's input. An estimate from the code, not yet held
-    against a measurement (tests/test_planner.py measures the attention layer)."""
+def gdn_activation_bytes(m, e: int, norm_b: int, ops: str = "reference") -> float:
+    """Bytes a Gated DeltaNet mixer saves per token for backward without recompute (speedllm.models.gated_deltanet),
+    beyond its input: the conv's padded input, pre-SiLU output and SiLU output (the rule's q, k, v); z in fp32
+    (the gate's input), a + dt_bias and its softplus, the decay and beta; the rule's own, by op set; the gated
+    norm's (its RMSNorm's, its output, silu(z) in fp32) and out_proj's input.
+
+    The rule: cpu (speedllm.ops.gated_delta_cpu) keeps its inputs and the fp32 state at each chunk's start; cuda
+    (flash-linear-attention) the L2-normalized q and k and their fp32 inverse norms, the fp32 cumulative decay and
+    the UT transform's chunk-wide matrix A; the reference twin (npu, and cuda without fla) autograd's intermediates
+    of speedllm.ops.gated_delta in fp32: six chunk-wide score matrices, about nine key-wide and two value-wide
+    tensors per value head, the state at each chunk, and fp32 copies of low-precision q and k.
+    (tests/test_hybrid_plan.py holds these against the tensors autograd saves.)
+    """
     hk, hv, k, v = m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim
     c, vd = 2 * hk * k + hv * v, hv * v
-    proj = e * (c + vd + 2 * hv)
     conv = 3 * e * c
-    rule = 4 * 2 * hv + 4 * hv * (k + v) + 4 * hv * k * v / 64
-    gate = norm_b * vd + 3 * 4 * vd + e * vd
-    return proj + conv + rule + gate
+    gates = 4 * vd + 3 * 4 * hv + e * hv
+    if ops == "cpu":
+        rule = 4 * hv * k * v / GDN_CHUNK
+    elif ops == "cuda":
+        rule = 2 * e * hk * k + 2 * 4 * hk + 4 * hv + e * GDN_CHUNK * hv
+    else:
+        rule = 4 * hv * (6 * GDN_CHUNK + 9 * k + 2 * v + k * v / GDN_CHUNK) + (2 * 4 * hk * k if e < 4 else 0)
+    norm = norm_b * vd + (2 * e + 4) * vd
+    return conv + gates + rule + norm
 
 
 def layer_activation_bytes(m, layout: Layout, seq_len: int, dtype_bytes: int, moe: bool, tp_dims,
@@ -136,7 +148,7 @@ def layer_activation_bytes(m, layout: Layout, seq_len: int, dtype_bytes: int, mo
     if gate:  # the gate, its sigmoid and the product's other input
         attn += 3 * e * q
     if linear:  # instead of attention
-        attn = gdn_activation_bytes(m, e, norm_b)
+        attn = gdn_activation_bytes(m, e, norm_b, ops)
     if moe:
         router = 4 * m.num_experts  # fp32 router probabilities
         # rows sorted by expert, expert outputs; of this rank's share of the tokens under sequence parallel
