@@ -64,7 +64,8 @@ def test_stage_split_by_cost_is_the_best_contiguous_split():
 def test_hybrid_stage_split_costs_each_layer_kind():
     """Qwen3.5-27B with its 16 attention layers last, at 32k tokens (attention's scores grow with the length, a
     Gated DeltaNet layer's rule does not): the split by cost gives the attention stage fewer layers, and its
-    costliest stage is far cheaper than the split by count's; the planner costs each stage's own layers."""
+    costliest stage is far cheaper than the split by count's; the planner costs each stage's own layers, and the step at the pace
+    of the costliest stage."""
     layers = ["linear_attention"] * 48 + ["full_attention"] * 16
     cfg = compose_config("model=qwen3_5_27b", "model.layer_types=[" + ",".join(layers) + "]", "hardware=h100",
                          "train.seq_len=32768", "train.global_batch_size=64")
@@ -85,6 +86,9 @@ def test_hybrid_stage_split_costs_each_layer_kind():
     assert planner.split(layout) == split
     ranks = planner.rank_params(layout, split)
     assert ranks[0].layer_mix == {(True, False): split[0]} and ranks[-1].layer_mix == {(False, False): split[-1]}
+    # the pipeline computes at its busiest rank's pace: the split by count is costed that much slower
+    by_cost, by_count = planner.estimate(layout).time, planner.estimate(layout, [16] * 4).time
+    assert by_count.compute / by_cost.compute == pytest.approx(largest([16] * 4) / largest(split), rel=1e-9)
 
 
 @pytest.mark.parametrize("overrides", [
