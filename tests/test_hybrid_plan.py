@@ -138,3 +138,35 @@ def test_gdn_activation_bytes_are_what_autograd_saves(ops, dtype):
         e = torch_dtype.itemsize
         planned = gdn_activation_bytes(m, e, saved_bytes_per_element(ops, e)[0], ops)
         assert planned == pytest.approx(sum(saved.values()) / (2 * 128), rel=0.05), heads
+
+
+@pytest.mark.parametrize("ops", ["reference", "cpu"])
+def test_gdn_selective_recompute_keeps_the_planned_matmul_outputs(ops):
+    """A Gated DeltaNet mixer under selective recompute (the policy parallelize applies): the bytes alive after its
+    forward beyond its weights, input and output are the matmul outputs the planner counts (the projections and
+    the rule's own for the op set) within 2%, for two head shapes."""
+    from functools import partial
+
+    import torch
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from speedllm.models.qwen3 import Qwen3
+    from speedllm.ops.gated_delta_cpu import kernel
+    from speedllm.parallel.parallelize import _selective_policy
+    from speedllm.planner.activations import gdn_matmul_bytes
+    from speedllm.planner.measure import PeakTensorMemory
+
+    if ops == "cpu" and kernel() is None:
+        pytest.skip("no C compiler here: the cpu op set runs the reference twin")
+    for heads in ([], ["model.linear_key_head_dim=16", "model.linear_value_head_dim=48",
+                       "model.linear_num_value_heads=8"]):
+        m = compose_config("model=qwen3_5_tiny", "model.num_hidden_layers=1", "model.layer_types=[linear_attention]",
+                           *heads).model
+        mixer = Qwen3(m, ops=ops).layers["0"].linear_attn
+        x = torch.randn(2, 128, m.hidden_size, requires_grad=True)
+        with PeakTensorMemory(existing=[*mixer.parameters(), x]) as tracker:
+            before = tracker.current
+            out = checkpoint(mixer, x, use_reentrant=False,
+                             context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
+            kept = tracker.current - before - out.untyped_storage().nbytes()
+        assert gdn_matmul_bytes(m, 4, ops) == pytest.approx(kept / (2 * 128), rel=0.02), heads
