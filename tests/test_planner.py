@@ -64,8 +64,8 @@ def test_stage_split_by_cost_is_the_best_contiguous_split():
 def test_hybrid_stage_split_costs_each_layer_kind():
     """Qwen3.5-27B with its 16 attention layers last, at 32k tokens (attention's scores grow with the length, a
     Gated DeltaNet layer's rule does not): the split by cost gives the attention stage fewer layers, and its
-    costliest stage is far cheaper than the split by count's; the planner costs each stage's own layers, and the step at the pace
-    of the costliest stage."""
+    costliest stage is far cheaper than the split by count's; the planner costs each stage's own layers, and the
+    step at the pace of the costliest stage."""
     layers = ["linear_attention"] * 48 + ["full_attention"] * 16
     cfg = compose_config("model=qwen3_5_27b", "model.layer_types=[" + ",".join(layers) + "]", "hardware=h100",
                          "train.seq_len=32768", "train.global_batch_size=64")

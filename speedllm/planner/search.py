@@ -18,8 +18,8 @@ from omegaconf import OmegaConf
 
 from speedllm.hardware import DTYPES
 from speedllm.models.flops import layer_flops
-from speedllm.parallel.pipeline import stage_layers, stages_of_rank
 from speedllm.models.kv_cache import cache_bytes
+from speedllm.parallel.pipeline import stage_layers, stages_of_rank
 from speedllm.parallel.rules import (
     batch_errors,
     distill_layout_errors,
