@@ -119,3 +119,56 @@ def test_distill_teacher_is_counted_as_built(parallel, world, config, hf_dir):
             assert held == pytest.approx(whole / world, rel=0.01)  # FSDP2 pads uneven dim-0 shards
         else:
             assert whole / 2 < held < whole  # norms (and the tied table's rows) are whole on every rank
+
+
+def test_hybrid_pipeline_ranks_hold_the_split_the_planner_costs(config):
+    """A hybrid model whose attention layers come last, at 4096 tokens: the run's stage split (built by
+    parallelize, as training builds it) is the planner's split by cost, not by count, and each pipeline rank
+    holds the planner's exact bytes."""
+    from speedllm.parallel.pipeline import stage_layers
+
+    kinds = ["linear_attention"] * 6 + ["full_attention"] * 2
+    cfg = config("model=qwen3_5_tiny", "model.num_hidden_layers=8", "model.layer_types=[" + ",".join(kinds) + "]",
+                 "train.seq_len=4096", "parallel=pp2", world=2)
+    split = stage_layers(cfg.model, 2, 4096)
+    assert split == [6, 2]  # an attention layer costs about three Gated DeltaNet layers at this length
+    for rank, layers in ((0, range(0, 6)), (1, range(6, 8))):
+        r = build_rank(cfg, rank, 2)
+        assert r.layers == list(layers)
+        assert (r.params, r.grads, r.optimizer) == r.planned, rank
+
+
+@pytest.mark.parametrize("model", ["qwen3_5_397b_a17b", "qwen3_next_80b_a3b"])
+def test_published_hybrid_models_on_their_planned_256_h100_layout_hold_the_planned_bytes(model):
+    """task=dryrun parallel=auto on h100 x 256 (4096 tokens, 1024 sequences a step) builds task=plan's first
+    layout from the published config; every sampled rank (first and last stage, first and last expert group)
+    holds within 10% of the plan's bytes for its pipeline rank, the first rank of a stage exactly."""
+    from omegaconf import OmegaConf
+
+    from speedllm.config.resolve import choose_layout
+    from speedllm.config.schema import typed
+    from speedllm.planner.layout import layout_from_config
+    from speedllm.planner.search import Planner, problem_from_config
+    from speedllm.tasks.dryrun import line
+
+    cfg = compose_config("task=dryrun", "parallel=auto", f"model={model}", "hardware=h100", "launcher.nnodes=32",
+                         "launcher.nproc_per_node=8", "train.seq_len=4096", "train.global_batch_size=1024",
+                         "run_dir=unused")
+    OmegaConf.set_struct(cfg, False)
+    planner = Planner(problem_from_config(cfg, 256))
+    choose_layout(cfg)  # the plan's first row (tests/test_plan_rules.py)
+    cfg = typed(cfg)
+    layout = layout_from_config(cfg.parallel, cfg.train)
+    assert layout.pp > 1 and layout.ep > 1
+    memories = planner.rank_memories(layout, cfg.parallel.pp_layers)
+    try:
+        for rank in sample_ranks(cfg.parallel, 256):
+            r = build_rank(cfg, rank, 256)
+            mem = memories[r.coords["pp"][0]]
+            for built, planned in zip((r.params, r.grads, r.optimizer), (mem.params, mem.grads, mem.optimizer)):
+                assert abs(built - planned) <= 0.1 * planned, (rank, line(r))
+            if rank % (256 // cfg.parallel.pp) == 0:
+                assert line(r).endswith("= task=plan's exact bytes")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -328,3 +328,30 @@ def test_demo_style_export_stops_at_its_end_token_in_transformers_generate(tmp_p
     hf = AutoModelForCausalLM.from_pretrained(out)
     generated = hf.generate(torch.tensor([[prompt]]))
     assert generated.tolist() == [[prompt, a, b, eod]]
+
+
+def test_fsdp2_shards_of_fewer_experts_than_ranks_read_from_a_qwen3_next_dir(tmp_path):
+    """Qwen3-Next with 5 experts under FSDP2 over 4 ranks: torch.chunk gives the ranks 2, 2, 1 and no experts.
+    Each rank reads its experts' rows of the file, and the last one an empty block (its load failed with "stack
+    expects a non-empty TensorList")."""
+    import transformers
+
+    from speedllm.checkpoint.hf import hf_reader, weight_files
+
+    config = transformers.Qwen3NextConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, intermediate_size=32, num_experts=5, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    transformers.Qwen3NextForCausalLM(config).save_pretrained(tmp_path)
+    model = compose_config("model=hf", f"checkpoint.load_hf={tmp_path}").model
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        stacked = torch.stack([f.get_tensor(f"model.layers.1.mlp.experts.{e}.up_proj.weight") for e in range(5)])
+    shards = [ids.tolist() for ids in torch.arange(5).chunk(4)]
+    shards += [[]] * (4 - len(shards))
+    assert [len(s) for s in shards] == [2, 2, 1, 0]
+    with hf_reader(str(tmp_path), model, weight_files(str(tmp_path))) as read:
+        for ids in shards:
+            first = ids[0] if ids else 5
+            index = (slice(first, first + len(ids)), slice(0, 16), slice(0, 32))
+            assert torch.equal(read("layers.1.mlp.experts.up_proj", (5, 16, 32), index), stacked[index])

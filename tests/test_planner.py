@@ -1,7 +1,9 @@
 """The planner: exact parameter counts, predicted vs measured peak memory in one process, MindSpeed's published
 Qwen3 layouts, `parallel=auto` and `task=plan` end to end (multi-rank checks: test_planner_dist.py)."""
 
+import random
 import time
+from itertools import combinations
 
 import pytest
 import torch
@@ -11,7 +13,9 @@ from speedllm.config import compose_config
 from speedllm.config.resolve import choose_layout
 from speedllm.config.validate import validate
 from speedllm.hardware import load_profile
-from speedllm.planner.layout import Layout, layout_from_config, stage_layers
+from speedllm.models.flops import flops_per_token, layer_flops
+from speedllm.parallel.pipeline import balanced_split, stage_layers
+from speedllm.planner.layout import Layout, layout_from_config
 from speedllm.planner.measure import measure_training_step
 from speedllm.planner.memory import rank_params
 from speedllm.planner.mindspeed import PUBLISHED, published_estimate, published_layout
@@ -33,9 +37,58 @@ def test_single_rank_parameter_count_is_the_models(name):
 
 
 def test_stage_split_is_even_with_larger_middle_stages():
-    assert stage_layers(94, 4) == [23, 24, 24, 23]
-    assert stage_layers(96, 32) == [3] * 32
-    assert sum(stage_layers(94, 32)) == 94 and max(stage_layers(94, 32)) - min(stage_layers(94, 32)) == 1
+    assert balanced_split((1.0,) * 94, 4) == (23, 24, 24, 23)
+    assert balanced_split((1.0,) * 96, 32) == (3,) * 32
+    assert sum(balanced_split((1.0,) * 94, 32)) == 94 and max(balanced_split((1.0,) * 94, 32)) - min(
+        balanced_split((1.0,) * 94, 32)) == 1
+
+
+def test_stage_split_by_cost_is_the_best_contiguous_split():
+    """Layers of two costs: the costliest stage of the split is the cheapest any contiguous split allows, and of
+    those splits its stage costs are the most even (every split enumerated)."""
+    rng = random.Random(0)
+    for _ in range(30):
+        costs = tuple(rng.choice((1.0, 1.0, 1.0, 5.5)) for _ in range(rng.randint(5, 12)))
+        stages = rng.randint(2, 4)
+
+        def score(sizes):
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+            sums = [sum(costs[a:a + n]) for a, n in zip(starts, sizes)]
+            return max(sums), sum(x * x for x in sums)
+
+        splits = [tuple(b - a for a, b in zip((0, *cuts), (*cuts, len(costs))))
+                  for cuts in combinations(range(1, len(costs)), stages - 1)]
+        assert score(balanced_split(costs, stages)) == min(map(score, splits)), (costs, stages)
+
+
+def test_hybrid_stage_split_costs_each_layer_kind():
+    """Qwen3.5-27B with its 16 attention layers last, at 32k tokens (attention's scores grow with the length, a
+    Gated DeltaNet layer's rule does not): the split by cost gives the attention stage fewer layers, and its
+    costliest stage is far cheaper than the split by count's; the planner costs each stage's own layers, and the
+    step at the pace of the costliest stage."""
+    layers = ["linear_attention"] * 48 + ["full_attention"] * 16
+    cfg = compose_config("model=qwen3_5_27b", "model.layer_types=[" + ",".join(layers) + "]", "hardware=h100",
+                         "train.seq_len=32768", "train.global_batch_size=64")
+    m, seq = cfg.model, 32768
+    costs = layer_flops(m, seq)
+    assert costs[-1] > 1.4 * costs[0]
+    assert sum(costs) + 6 * m.vocab_size * m.hidden_size == pytest.approx(flops_per_token(m, seq), rel=1e-12)
+
+    def largest(sizes):
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return max(sum(costs[a:a + n]) for a, n in zip(starts, sizes))
+
+    split = stage_layers(m, 4, seq)
+    assert sum(split) == 64 and split[0] > 16 > split[-1]
+    assert largest(split) < 0.8 * largest([16] * 4)  # 0.757
+    planner = Planner(problem_from_config(cfg, 8))
+    layout = Layout(pp=4, dp=2, recompute="full")
+    assert planner.split(layout) == split
+    ranks = planner.rank_params(layout, split)
+    assert ranks[0].layer_mix == {(True, False): split[0]} and ranks[-1].layer_mix == {(False, False): split[-1]}
+    # the pipeline computes at its busiest rank's pace: the split by count is costed that much slower
+    by_cost, by_count = planner.estimate(layout).time, planner.estimate(layout, [16] * 4).time
+    assert by_count.compute / by_cost.compute == pytest.approx(largest([16] * 4) / largest(split), rel=1e-9)
 
 
 @pytest.mark.parametrize("overrides", [

@@ -310,8 +310,12 @@ def hf_reader(path: str, model_cfg, files: Dict[str, Path]):
                 return torch.cat([read_hf(sources[0], (slice(int(r[0]), int(r[-1]) + 1), *index[1:])) for r in runs])
             if len(sources) == 1:
                 return read_hf(sources[0], index)
-            # stacked experts [E, out, in]: the experts of index[0], each its own HF tensor
-            return torch.stack([read_hf(sources[e], index[1:]) for e in range(index[0].start, index[0].stop)])
+            # stacked experts [E, out, in]: the experts of index[0], each its own HF tensor; none when FSDP2
+            # shards fewer experts than ranks by rows (5 over 4 ranks: 2, 2, 1 and 0)
+            experts = range(index[0].start, index[0].stop)
+            if not experts:
+                return torch.empty(0, *(s.stop - s.start for s in index[1:]))
+            return torch.stack([read_hf(sources[e], index[1:]) for e in experts])
 
         yield read
 

@@ -161,7 +161,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, parallel, train, param_dty
         return ParallelModel(model, [model])
     from speedllm.parallel.pipeline import Pipeline, split_model
 
-    rank_module, stages = split_model(model, parallel, dims.mesh["pp"].get_local_rank())
+    rank_module, stages = split_model(model, parallel, train.seq_len, dims.mesh["pp"].get_local_rank())
     for _, stage in stages:
         _parallelize_part(stage, dims, parallel, train, param_dtype, device, quant, adapt)
         for name, layer in stage.layers.items():

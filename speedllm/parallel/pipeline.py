@@ -23,7 +23,8 @@ activation replaces.)
 """
 
 import copy
-from typing import Dict, List, Optional
+from functools import lru_cache
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,15 +35,62 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from torch.distributed.tensor import DTensor, Shard
 
 from speedllm.hardware import DTYPES
+from speedllm.models.flops import layer_flops
 from speedllm.models.moe import take_expert_load
 from speedllm.parallel.rules import V_SCHEDULES
 
 
-def layers_per_stage(num_layers: int, num_stages: int, explicit: Optional[List[int]]) -> List[List[int]]:
-    """Layer ids of every stage: `explicit` sizes (parallel.pp_layers) or an even split."""
-    sizes = list(explicit) if explicit is not None else [num_layers // num_stages] * num_stages
-    starts = [sum(sizes[:i]) for i in range(num_stages)]
-    return [list(range(start, start + size)) for start, size in zip(starts, sizes)]
+def stage_layers(model, num_stages: int, seq_len: int, explicit: Optional[Sequence[int]] = None) -> List[int]:
+    """Decoder layers per pipeline stage (pp * vpp stages): the one split the run, the planner and the dry run use.
+
+    `explicit` sizes (parallel.pp_layers), or each layer costed by its own kind's training FLOPs per token at
+    `seq_len` (speedllm.models.flops: attention's scores grow with the length, a Gated DeltaNet layer's rule does
+    not; a MoE MLP by its active experts): the costliest stage as cheap as it can be, then the stages' costs as
+    even as they can be. Layers of one cost: as even as possible, the larger stages in the middle (the first
+    holds the embedding, the last the output projection and loss).
+    """
+    if explicit is not None:
+        return list(explicit)
+    return list(balanced_split(tuple(layer_flops(model, seq_len)), num_stages))
+
+
+@lru_cache(maxsize=1024)
+def balanced_split(costs: Tuple[float, ...], num_stages: int) -> Tuple[int, ...]:
+    """Sizes of `num_stages` contiguous groups of `costs`: the largest group sum minimal, then the sum of squared
+    group sums minimal (two passes of a dynamic program over the split points); equal costs as described above."""
+    n = len(costs)
+    if len(set(costs)) <= 1 or num_stages >= n:
+        base, extra = divmod(n, num_stages)
+        start = (num_stages - extra) // 2
+        return tuple(base + (start <= i < start + extra) for i in range(num_stages))
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def solve(score, bound):
+        """best[s][j]: the best score of the first j layers in s stages, each at most `bound`; and its last cut."""
+        inf = float("inf")
+        best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+        cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+        best[0][0] = 0.0
+        for s in range(1, num_stages + 1):
+            for j in range(s, n - (num_stages - s) + 1):
+                for i in range(s - 1, j):
+                    stage = prefix[j] - prefix[i]
+                    if best[s - 1][i] == inf or stage > bound:
+                        continue
+                    value = score(best[s - 1][i], stage)
+                    if value < best[s][j]:
+                        best[s][j], cut[s][j] = value, i
+        return best[num_stages][n], cut
+
+    largest, _ = solve(max, float("inf"))
+    _, cut = solve(lambda total, stage: total + stage * stage, largest)
+    sizes, j = [], n
+    for s in range(num_stages, 0, -1):
+        sizes.append(j - cut[s][j])
+        j = cut[s][j]
+    return tuple(reversed(sizes))
 
 
 def stages_of_rank(pp_rank: int, pp: int, vpp: int, schedule: str) -> List[int]:
@@ -67,14 +115,17 @@ def stage_module(model: nn.Module, layer_ids: List[int], first: bool, last: bool
     return stage
 
 
-def split_model(model: nn.Module, parallel, pp_rank: int) -> tuple:
+def split_model(model: nn.Module, parallel, seq_len: int, pp_rank: int) -> tuple:
     """(rank module, [(stage index, stage module)]) for this pipeline rank; `model` is on the meta device.
 
-    `parallel` is the layout (schema ParallelConfig), already validated (speedllm.parallel.rules).
+    `parallel` is the layout (schema ParallelConfig), already validated (speedllm.parallel.rules); `seq_len`
+    (train.seq_len) prices the layers for the stage split (stage_layers).
     """
     p = parallel
     num_stages = p.pp * p.vpp
-    all_layers = layers_per_stage(model.cfg.num_hidden_layers, num_stages, p.pp_layers)
+    sizes = stage_layers(model.cfg, num_stages, seq_len, p.pp_layers)
+    starts = [sum(sizes[:i]) for i in range(num_stages)]
+    all_layers = [list(range(start, start + size)) for start, size in zip(starts, sizes)]
     mine = stages_of_rank(pp_rank, p.pp, p.vpp, p.pp_schedule)
     owned = sorted(i for s in mine for i in all_layers[s])
     holds_first, holds_last = 0 in mine, num_stages - 1 in mine

@@ -156,7 +156,8 @@ def offload_errors(offload: str, *, fsdp: bool, finetune: str, optimizer: str) -
 
 def sequence_errors(model, seq_len: int, *, tp: int, cp: int, sequence_parallel: bool) -> List[str]:
     """What keeps a training sequence of `seq_len` tokens from running: the model's positions, and the shards
-    context parallel (2 x cp load-balanced chunks) and sequence parallel (tp) cut it into."""
+    context parallel (2 x cp load-balanced chunks, each at least a Gated DeltaNet conv's carried inputs) and
+    sequence parallel (tp) cut it into."""
     errors = []
     if seq_len > model.max_position_embeddings:
         errors.append(f"train.seq_len={seq_len} exceeds max_position_embeddings={model.max_position_embeddings} of "
@@ -165,6 +166,12 @@ def sequence_errors(model, seq_len: int, *, tp: int, cp: int, sequence_parallel:
     if cp > 1 and seq_len % (2 * cp):
         errors.append(f"train.seq_len={seq_len} must be divisible by 2 x parallel.cp = {2 * cp} (load-balanced "
                       f"causal chunks); pick a multiple of {2 * cp}")
+    conv_tail = model.linear_conv_kernel_dim - 1
+    if cp > 1 and "linear_attention" in model.layer_types and seq_len // (2 * cp) < conv_tail:
+        errors.append(f"train.seq_len={seq_len} over parallel.cp={cp} leaves Gated DeltaNet chunks of "
+                      f"{seq_len // (2 * cp)} tokens (2 x cp per sequence), fewer than the {conv_tail} conv inputs a "
+                      f"chunk carries to the next; raise train.seq_len to {2 * cp * conv_tail} or more, or lower "
+                      "parallel.cp")
     if tp > 1 and sequence_parallel and seq_len % tp:
         errors.append(f"train.seq_len={seq_len} must be divisible by parallel.tp={tp} with sequence parallel; pick "
                       f"a multiple of {tp} or set parallel.sequence_parallel=false")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Tuple
 
 from speedllm.hardware import DTYPES
+from speedllm.models.flops import GDN_CHUNK
 from speedllm.ops.loss import chunk_rows
 from speedllm.parallel.rules import ulysses_degree
 from speedllm.planner.layout import Layout
@@ -79,20 +80,51 @@ def saved_bytes_per_element(ops: str, e: int) -> Tuple[int, int, int]:
     return 4 + e, 0, 4 * e
 
 
-def gdn_activation_bytes(m, e: int, norm_b: int) -> float:
-    """Bytes a Gated DeltaNet mixer saves per token for backward (no recompute; speedllm.models.gated_deltanet,
-    the chunked gated delta rule of speedllm.ops): the projections' outputs (q, k, v channels C, z, a, b), the
-    conv's padded input and pre-SiLU output and its SiLU output (the rule's input), the fp32 decay and beta, the
-    rule's per-token fp32 work (its UT-transformed keys and values) and its state at each 64-token chunk start,
-    the gated norm's fp32 output, gate and product, and out_proj's input. An estimate from the code, not yet held
-    against a measurement (tests/test_planner.py measures the attention layer)."""
-    hk, hv, k, v = m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim
+def gdn_activation_bytes(m, e: int, norm_b: int, ops: str = "reference", tp: int = 1) -> float:
+    """Bytes a Gated DeltaNet mixer saves per token for backward without recompute (speedllm.models.gated_deltanet),
+    beyond its input: the conv's padded input, pre-SiLU output and SiLU output (the rule's q, k, v); z in fp32
+    (the gate's input), a + dt_bias and its softplus, the decay and beta; the rule's own, by op set; the gated
+    norm's (its RMSNorm's, its output, silu(z) in fp32) and out_proj's input. Under tensor parallelism a rank holds
+    1/tp of the heads.
+
+    The rule: cpu (speedllm.ops.gated_delta_cpu) keeps its inputs and the fp32 state at each chunk's start; cuda
+    (flash-linear-attention) the L2-normalized q and k and their fp32 inverse norms, the fp32 cumulative decay and
+    the UT transform's chunk-wide matrix A; the reference twin (npu, and cuda without fla) autograd's intermediates
+    of speedllm.ops.gated_delta in fp32: six chunk-wide score matrices, about nine key-wide and two value-wide
+    tensors per value head, the state at each chunk, and fp32 copies of low-precision q and k.
+    (tests/test_hybrid_plan.py holds these against the tensors autograd saves.)
+    """
+    hk, hv, k, v = m.linear_num_key_heads / tp, m.linear_num_value_heads / tp, m.linear_key_head_dim, \
+        m.linear_value_head_dim
     c, vd = 2 * hk * k + hv * v, hv * v
-    proj = e * (c + vd + 2 * hv)
     conv = 3 * e * c
-    rule = 4 * 2 * hv + 4 * hv * (k + v) + 4 * hv * k * v / 64
-    gate = norm_b * vd + 3 * 4 * vd + e * vd
-    return proj + conv + rule + gate
+    gates = 4 * vd + 3 * 4 * hv + e * hv
+    if ops == "cpu":
+        rule = 4 * hv * k * v / GDN_CHUNK
+    elif ops == "cuda":
+        rule = 2 * e * hk * k + 2 * 4 * hk + 4 * hv + e * GDN_CHUNK * hv
+    else:
+        rule = 4 * hv * (6 * GDN_CHUNK + 9 * k + 2 * v + k * v / GDN_CHUNK) + (2 * 4 * hk * k if e < 4 else 0)
+    norm = norm_b * vd + (2 * e + 4) * vd
+    return conv + gates + rule + norm
+
+
+def gdn_matmul_bytes(m, e: int, ops: str = "reference", tp: int = 1) -> float:
+    """Bytes per token of a Gated DeltaNet mixer's matmul outputs, which selective recompute keeps
+    (speedllm.parallel.parallelize's policy): the input projections and, by op set, the rule's fp32 matmuls (cpu:
+    q k^T and k k^T per key head, the UT transform's u and w, the intra-chunk output and the state updates; the
+    reference twin: its two chunk-wide score products, three value-wide products and the state updates; fla's
+    kernels are not aten matmuls). out_proj's output is the layer's (layer_activation_bytes)."""
+    hk, hv, k, v = m.linear_num_key_heads / tp, m.linear_num_value_heads / tp, m.linear_key_head_dim, \
+        m.linear_value_head_dim
+    projections = e * (2 * hk * k + 2 * hv * v + 2 * hv)
+    if ops == "cpu":
+        rule = 4 * (2 * hk * GDN_CHUNK + hv * (2 * v + k) + hv * k * v / GDN_CHUNK)
+    elif ops == "cuda":
+        rule = 0.0
+    else:
+        rule = 4 * hv * (2 * GDN_CHUNK + 3 * v + k * v / GDN_CHUNK)
+    return projections + rule
 
 
 def layer_activation_bytes(m, layout: Layout, seq_len: int, dtype_bytes: int, moe: bool, tp_dims,
@@ -102,7 +134,7 @@ def layer_activation_bytes(m, layout: Layout, seq_len: int, dtype_bytes: int, mo
     Args:
         tp_dims: whether the TP plan splits (the MLP width, the experts' width, the vocabulary).
         ops: the hardware profile's op set (what the fused kernels keep differs, see saved_bytes_per_element).
-        linear: a Gated DeltaNet mixer instead of attention (hybrid models, which run without tp, cp or sp).
+        linear: a Gated DeltaNet mixer instead of attention (its heads split over tp like attention's).
     """
     e, tp = dtype_bytes, layout.tp
     sp = tp if layout.sequence_parallel else 1
@@ -119,10 +151,8 @@ def layer_activation_bytes(m, layout: Layout, seq_len: int, dtype_bytes: int, mo
     if layout.recompute == "selective":
         # the layer input and the outputs of matmuls and attention (see speedllm/parallel/parallelize.py)
         attn = e * h / sp + e * (q * (2 if gate else 1) + 2 * kv) + e * q + lse + e * h / sp
-        if linear:  # the input and the matmuls' outputs: projections, and out_proj's input
-            vd = m.linear_num_value_heads * m.linear_value_head_dim
-            attn = 2 * e * h + e * (2 * m.linear_num_key_heads * m.linear_key_head_dim + 2 * vd
-                                    + 2 * m.linear_num_value_heads) + e * vd
+        if linear:  # the input, out_proj's output and the mixer's other matmul outputs
+            attn = e * h / sp + gdn_matmul_bytes(m, e, ops, tp) + e * h / sp
         # a MoE block under sequence parallel routes only this rank's share of the tokens
         mlp = e * (m.num_experts + k_top * (2 * i_moe + h)) / sp if moe else e * (2 * i_mlp + h / sp)
         return n * (attn + mlp)
@@ -136,7 +166,7 @@ def layer_activation_bytes(m, layout: Layout, seq_len: int, dtype_bytes: int, mo
     if gate:  # the gate, its sigmoid and the product's other input
         attn += 3 * e * q
     if linear:  # instead of attention
-        attn = gdn_activation_bytes(m, e, norm_b)
+        attn = gdn_activation_bytes(m, e, norm_b, ops, tp)
     if moe:
         router = 4 * m.num_experts  # fp32 router probabilities
         # rows sorted by expert, expert outputs; of this rank's share of the tokens under sequence parallel
@@ -260,9 +290,8 @@ def rank_memory(m, layout: Layout, sp: StageParams, pp_rank: int, seq_len: int,
            for linear, moe in sp.layer_mix}
     act_full = {(linear, moe): layer_activation_bytes(m, full, seq_len, e, moe, tp_dims, ops, linear)
                 for linear, moe in sp.layer_mix}
-    # average layer of this rank times the layers of its largest stage
-    avg = sum(count * act[mix] for mix, count in sp.layer_mix.items()) / sp.layers
-    per_stage_act = avg * max_stage_layers
+    # the costliest of this rank's stages, each layer by its own kind (a stage's micro-batch holds all its layers)
+    per_stage_act = max(sum(count * act[mix] for mix, count in stage.items()) for stage in sp.stage_mixes)
     # a recomputed layer is rebuilt whole in backward; the loss's chunk logits live only inside its forward
     working = 0.0 if layout.recompute == "none" else max(act_full.values(), default=0.0)
     head = 0.0

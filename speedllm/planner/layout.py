@@ -75,15 +75,3 @@ def uneven(split: List[int]):
     """parallel.pp_layers for a stage split: the list when its stages differ in size, else None (an even split)."""
     return split if len(set(split)) > 1 else None
 
-
-def stage_layers(num_layers: int, stages: int, explicit=None) -> List[int]:
-    """Decoder layers per pipeline stage (pp * vpp stages): the explicit list, or as even as possible with the
-    larger stages in the middle (the first holds the embedding, the last the output projection and loss)."""
-    if explicit is not None:
-        return list(explicit)
-    base, extra = divmod(num_layers, stages)
-    sizes = [base] * stages
-    start = (stages - extra) // 2
-    for i in range(start, start + extra):
-        sizes[i] += 1
-    return sizes

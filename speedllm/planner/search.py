@@ -17,7 +17,9 @@ from typing import Dict, List, Optional
 from omegaconf import OmegaConf
 
 from speedllm.hardware import DTYPES
+from speedllm.models.flops import layer_flops
 from speedllm.models.kv_cache import cache_bytes
+from speedllm.parallel.pipeline import stage_layers, stages_of_rank
 from speedllm.parallel.rules import (
     batch_errors,
     distill_layout_errors,
@@ -30,7 +32,7 @@ from speedllm.parallel.rules import (
     sequence_errors,
 )
 from speedllm.planner.cpu_time import layer_and_rest_seconds
-from speedllm.planner.layout import Layout, stage_layers, uneven
+from speedllm.planner.layout import Layout, uneven
 from speedllm.planner.memory import (
     GIB,
     Memory,
@@ -132,9 +134,29 @@ class Planner:
         self.mt = model_tensors(problem.model)
         self.tp_facts = tp_facts(self.mt)
         self._params = {}
+        self._splits = {}
+        self._imbalance = {}
+        self.layer_flops = layer_flops(problem.model, problem.seq_len)
 
     def split(self, layout: Layout, explicit=None) -> List[int]:
-        return stage_layers(self.p.model.num_hidden_layers, layout.pp * layout.vpp, explicit)
+        """Layers per stage: `explicit` (parallel.pp_layers) or the run's own split by cost (stage_layers)."""
+        key = (layout.pp * layout.vpp, None if explicit is None else tuple(explicit))
+        if key not in self._splits:
+            self._splits[key] = stage_layers(self.p.model, key[0], self.p.seq_len, key[1])
+        return list(self._splits[key])
+
+    def pipeline_imbalance(self, layout: Layout, split: List[int]) -> float:
+        """The busiest pipeline rank's decoder-layer FLOPs over an even share of them (1.0: balanced)."""
+        if layout.pp == 1:
+            return 1.0
+        key = (layout.pp, layout.vpp, layout.schedule, tuple(split))
+        if key not in self._imbalance:
+            starts = [sum(split[:i]) for i in range(len(split))]
+            stage = [sum(self.layer_flops[a:a + n]) for a, n in zip(starts, split)]
+            ranks = [sum(stage[s] for s in stages_of_rank(r, layout.pp, layout.vpp, layout.schedule))
+                     for r in range(layout.pp)]
+            self._imbalance[key] = max(ranks) * layout.pp / sum(ranks)
+        return self._imbalance[key]
 
     def rank_params(self, layout: Layout, split: List[int]) -> list:
         key = (layout.tp, layout.pp, layout.vpp, layout.dp, layout.ep, layout.cp, layout.fsdp, tuple(split))
@@ -161,7 +183,8 @@ class Planner:
     def estimate(self, layout: Layout, explicit_split=None) -> Estimate:
         """Memory of the busiest rank and step time of `layout` (assumed structurally valid)."""
         p, m = self.p, self.p.model
-        stages = self.rank_params(layout, self.split(layout, explicit_split))
+        split = self.split(layout, explicit_split)
+        stages = self.rank_params(layout, split)
         memory = max(self.rank_memories(layout, explicit_split), key=lambda mem: mem.total)
         busiest = max(stages, key=lambda sp: sp.gathered)
         selective = 0.0
@@ -177,7 +200,7 @@ class Planner:
             measured = layer_and_rest_seconds(config_key(m), layout.micro_batch, p.seq_len, p.hardware.dtype,
                                               p.hardware.ops)
         time = step_time(m, layout, p.hardware, busiest, p.seq_len, p.global_batch, p.efficiency, selective,
-                         memory.offloaded_per_layer, self.muon, measured)
+                         memory.offloaded_per_layer, self.muon, measured, self.pipeline_imbalance(layout, split))
         tokens_per_s = p.global_batch * p.seq_len / time.total
         mfu = tokens_per_s * per_token(m, p.seq_len)[0] / (p.hardware.peak_tflops[p.hardware.dtype] * 1e12
                                                                  * layout.world)

@@ -149,15 +149,15 @@ def _chunk(n: int, k: int) -> int:
 
 
 def local_shape(t: Tensor, tp: int, ep: int, fsdp: int) -> Tuple[int, ...]:
-    """Shape of the first rank's piece of tensor t after TP, EP and then FSDP (dim 0; experts:
-    speedllm.parallel.fsdp.expert_shard_dim) sharding."""
+    """Shape of the first rank's piece of tensor t after TP, EP and then FSDP (dim 0; experts in their own FSDP
+    unit under ep or tp: speedllm.parallel.fsdp.expert_shard_dim) sharding."""
     shape = list(t.shape)
     if t.expert and ep > 1:
         shape[0] = _chunk(shape[0], ep)
     if t.tp_dim is not None and tp > 1:
         shape[t.tp_dim] = _chunk(shape[t.tp_dim], tp)
     if fsdp > 1:
-        dim = expert_shard_dim(shape[0], fsdp) if t.expert else 0
+        dim = expert_shard_dim(shape[0], fsdp) if t.expert and ep * tp > 1 else 0
         shape[dim] = _chunk(shape[dim], fsdp)
     return tuple(shape)
 

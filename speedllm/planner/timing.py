@@ -1,6 +1,6 @@
 """Time of one training step from the hardware profile: compute, communication per parallel axis, pipeline bubble.
 
-Compute is the step's FLOPs (speedllm.train.metrics.flops_per_token, plus the re-run forward under full
+Compute is the step's FLOPs (speedllm.models.flops.flops_per_token, plus the re-run forward under full
 recompute) over the devices' peak times an efficiency that falls for small matrix multiplications. Collectives
 are ring-based: an all-gather or reduce-scatter moves (k-1)/k of the full tensor through each rank's link, an
 all-reduce twice that, an all-to-all (k-1)/k of what a rank sends. A group is on the intra-node link when all
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from speedllm.hardware import DTYPES
+from speedllm.models.flops import flops_per_token
 from speedllm.models.kv_cache import layer_kinds
 from speedllm.models.qwen3 import is_moe_layer
 from speedllm.planner.layout import Layout
 from speedllm.planner.memory import MASTER_BYTES, StageParams, config_key, model_of_key
-from speedllm.train.metrics import flops_per_token
 
 GEMM_HALF = 128  # rows / columns at which a matmul reaches half its best efficiency
 
@@ -88,7 +88,8 @@ def _per_token(key: tuple, seq_len: int) -> tuple:
 
 
 def step_time(m, layout: Layout, hw, sp: StageParams, seq_len: int, global_batch: int, efficiency: float,
-              selective_bytes: float = 0.0, offloaded_per_layer: float = 0.0, muon=None, measured=None) -> StepTime:
+              selective_bytes: float = 0.0, offloaded_per_layer: float = 0.0, muon=None, measured=None,
+              imbalance: float = 1.0) -> StepTime:
     """Estimated seconds of one training step.
 
     Args:
@@ -99,6 +100,8 @@ def step_time(m, layout: Layout, hw, sp: StageParams, seq_len: int, global_batch
             matrices' updates in that dtype and runs the iteration on all of them (speedllm.train.muon).
         measured: on a CPU, (one decoder layer, the rest of the model) in seconds of one micro-batch's forward and
             backward, timed on it (speedllm.planner.cpu_time); they replace the FLOP model's compute.
+        imbalance: the busiest pipeline rank's decoder-layer FLOPs over an even share (Planner.pipeline_imbalance):
+            the pipeline computes at that rank's pace.
     """
     t = StepTime()
     e = DTYPES[hw.dtype].itemsize
@@ -132,6 +135,7 @@ def step_time(m, layout: Layout, hw, sp: StageParams, seq_len: int, global_batch
         t.routing = 0.0
         if layout.recompute == "full":  # the forward again: about a third of forward + backward
             t.recompute = num_micro * layers * layer_s / (layout.tp * layout.cp) / 3
+    t.compute, t.recompute = t.compute * imbalance, t.recompute * imbalance
     if layout.pp > 1:
         t.bubble = (layout.pp - 1) / (layout.vpp * num_micro) * (t.compute + t.routing + t.recompute)
 

@@ -75,6 +75,7 @@ class StageParams:
     has_embed: bool = False
     has_head: bool = False
     per_stage_layers: List[int] = field(default_factory=list)
+    stage_mixes: List[Dict[Tuple[bool, bool], int]] = field(default_factory=list)  # layer_mix of each stage
 
 
 def rank_params(mt: ModelTensors, layout: Layout, layer_split: List[int], pp_rank: int,
@@ -96,6 +97,8 @@ def rank_params(mt: ModelTensors, layout: Layout, layer_split: List[int], pp_ran
     for stage in stages_of_rank(pp_rank, layout.pp, layout.vpp, layout.schedule):
         layers = range(starts[stage], starts[stage] + layer_split[stage])
         sp.per_stage_layers.append(len(layers))
+        stage_mix = {}
+        sp.stage_mixes.append(stage_mix)
         for layer in layers:
             kind = mt.layer_kind[layer]
             sp.sharded += kind_sharded[kind]
@@ -113,6 +116,7 @@ def rank_params(mt: ModelTensors, layout: Layout, layer_split: List[int], pp_ran
             sp.moe_layers += mt.moe_layers[layer]
             mix = (mt.linear_layers[layer], mt.moe_layers[layer])
             sp.layer_mix[mix] = sp.layer_mix.get(mix, 0) + 1
+            stage_mix[mix] = stage_mix.get(mix, 0) + 1
         root = []
         if stage == 0:
             root += mt.embed

@@ -27,7 +27,8 @@ from torch.distributed.tensor import DTensor
 
 from speedllm.adapters.lora import adapter_fn
 from speedllm.parallel.mesh import AXES
-from speedllm.planner.layout import layout_from_config, stage_layers
+from speedllm.parallel.pipeline import stage_layers
+from speedllm.planner.layout import layout_from_config
 from speedllm.planner.memory import MASTER_BYTES, model_tensors, placed, rank_params, state_text, teacher_bytes
 from speedllm.runtime import init_fake_runtime
 from speedllm.train.optimizer import build_optimizer, state_numel
@@ -65,7 +66,7 @@ def sample_ranks(parallel, world: int) -> List[int]:
 def planned_bytes(cfg, pp_rank: int) -> Tuple[int, int, int]:
     """The planner's (params, grads, optimizer) bytes of pipeline rank `pp_rank` (its first rank per axis)."""
     layout = layout_from_config(cfg.parallel, cfg.train)
-    split = stage_layers(cfg.model.num_hidden_layers, layout.pp * layout.vpp, cfg.parallel.pp_layers)
+    split = stage_layers(cfg.model, layout.pp * layout.vpp, cfg.train.seq_len, cfg.parallel.pp_layers)
     sp = rank_params(model_tensors(cfg.model), layout, split, pp_rank, partial(state_numel, cfg.optim))
     return sp.sharded * MASTER_BYTES, sp.sharded * MASTER_BYTES, sp.optimizer_state * MASTER_BYTES
 

@@ -1,14 +1,5 @@
-"""Throughput accounting (FLOPs per token, MFU, peak memory) and the rank-0 metric sinks.
-
-FLOPs per trained token (forward + backward = 3x forward, a multiply-add is 2 FLOPs):
-    6 * N_matmul  +  6 * L_attention * H * head_dim * S  +  6 * L_gdn * rule_macs
-N_matmul counts the weights every token multiplies with: attention q/k/v/o (q doubled when it carries an output
-gate), Gated DeltaNet's input and output projections, the MLP (for MoE layers the top-k experts' MLPs, the router
-and a shared expert with its gate), and the output projection (tied or not; the embedding lookup is not a
-matmul). The attention term is QK^T and AV (2 matmuls of S x head_dim per head, 2 FLOPs per multiply-add, x3 for
-training), halved because a causal mask leaves on average S/2 keys per query. A Gated DeltaNet layer's rule costs
-the same at every length (gated_delta_rule_macs).
-"""
+"""Throughput accounting (MFU, peak memory) and the rank-0 metric sinks; FLOPs per token are the model's
+(speedllm.models.flops, imported here for the loop)."""
 
 import json
 import resource
@@ -21,52 +12,10 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
-from speedllm.models.kv_cache import layer_kinds
+from speedllm.models.flops import flops_per_token, matmul_params_per_token  # noqa: F401 (the loop's and tests' names)
 from speedllm.models.moe import load_figures, take_expert_load
 from speedllm.models.qwen3 import is_moe_layer
 from speedllm.storage import write_text_atomic
-
-
-GDN_CHUNK = 64  # tokens per chunk of the chunked gated delta rule (speedllm.ops), for its FLOP count
-
-
-def matmul_params_per_token(model: DictConfig) -> int:
-    """Weights each token is multiplied with in one forward pass (activated experts only)."""
-    h, d = model.hidden_size, model.head_dim
-    q = model.num_attention_heads * d * (2 if model.attention_output_gate else 1)
-    attention = h * (q + model.num_attention_heads * d + 2 * model.num_key_value_heads * d)
-    hv, vd = model.linear_num_value_heads, model.linear_num_value_heads * model.linear_value_head_dim
-    # in_proj q, k, v, z, b, a (or the fused qkvz, ba) and out_proj
-    gdn = h * (2 * model.linear_num_key_heads * model.linear_key_head_dim + 2 * vd + 2 * hv) + vd * h
-    total = model.vocab_size * h  # output projection
-    kinds = layer_kinds(model)
-    for layer in range(model.num_hidden_layers):
-        if is_moe_layer(model, layer):
-            mlp = model.num_experts_per_tok * 3 * h * model.moe_intermediate_size + h * model.num_experts
-            if model.shared_expert_intermediate_size:
-                mlp += 3 * h * model.shared_expert_intermediate_size + h
-        else:
-            mlp = 3 * h * model.intermediate_size
-        total += (gdn if kinds[layer] == "linear_attention" else attention) + mlp
-    return total
-
-
-def gated_delta_rule_macs(model: DictConfig) -> float:
-    """Multiply-adds per token of one Gated DeltaNet layer's chunked rule, per value head: reading and updating
-    the K x V state (q and the UT-transformed keys against it, the state's update: 3 K V) and, inside a chunk of
-    GDN_CHUNK tokens, scores against the chunk's earlier tokens (q k^T and the UT's k k^T) and their application
-    to the values (on average half the chunk: GDN_CHUNK (2 K + V) / 2). Constant in the sequence length."""
-    k, v = model.linear_key_head_dim, model.linear_value_head_dim
-    return model.linear_num_value_heads * (3 * k * v + GDN_CHUNK * (2 * k + v) / 2)
-
-
-def flops_per_token(model: DictConfig, seq_len: int) -> float:
-    """Training FLOPs (forward + backward) per token at sequence length `seq_len`, causal attention."""
-    kinds = layer_kinds(model)
-    linear = kinds.count("linear_attention")
-    attention = 6 * (len(kinds) - linear) * model.num_attention_heads * model.head_dim * seq_len
-    return 6 * matmul_params_per_token(model) + attention + (6 * linear * gated_delta_rule_macs(model) if linear
-                                                             else 0)
 
 
 def peak_devices(cfg, world_size: int) -> int:
