@@ -80,7 +80,9 @@ class GatedDeltaRule(nn.Module):
         qkv, conv_tail = causal_conv(qkv_BSC, conv_weight.squeeze(1), conv_past, document_ids)
         q, k, v = qkv.view(B, S, -1, 2 * self.k_dim + self.group * self.v_dim).split(
             [self.k_dim, self.k_dim, self.group * self.v_dim], dim=-1)
-        v = v.reshape(B, S, -1, self.v_dim)
+        # v's value heads do not merge into one dim of the grouped layout: it is copied, and q and k too, so the conv's
+        # output is not kept for backward beside the copy (as many saved bytes as the three views of it would be)
+        q, k, v = q.contiguous(), k.contiguous(), v.reshape(B, S, -1, self.v_dim)
         beta = elementwise(torch.sigmoid, b_BSH)
         g = -A_log.float().exp() * elementwise(F.softplus, a_BSH.float() + dt_bias)
         if state is not None and S == 1:

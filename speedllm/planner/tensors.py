@@ -80,8 +80,12 @@ def style_dim(style, module: nn.Module, param_name: str) -> Optional[int]:
         SequenceParallel,
     )
 
+    from speedllm.parallel.tensor import ShardedHeads
+
     if style is None or isinstance(style, (SequenceParallel, PrepareModuleInput, PrepareModuleOutput)):
         return None
+    if isinstance(style, ShardedHeads):  # a Gated DeltaNet mixer's per-head vectors, the conv's channels
+        return 0
     embedding = isinstance(module, nn.Embedding)
     if isinstance(style, ColwiseParallel):  # Linear: output features (weight and bias); Embedding: hidden
         return 1 if embedding else 0
@@ -95,7 +99,9 @@ def tp_dim(module_fqn: str, module: nn.Module, param_name: str) -> Optional[int]
     from speedllm.parallel.tensor import layer_plan, root_plan
 
     if module_fqn.startswith("layers."):
-        plan, local = layer_plan(True), module_fqn.split(".", 2)[2]
+        # every mixer's plan: attention, Gated DeltaNet with split or fused input projections (names do not overlap)
+        plan = {**layer_plan(True), **layer_plan(True, linear=False), **layer_plan(True, linear=True)}
+        local = module_fqn.split(".", 2)[2]
     else:
         plan, local = root_plan(True), module_fqn
     style = next((s for pattern, s in plan.items() if fnmatch(local, pattern)), None)
