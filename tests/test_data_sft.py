@@ -100,13 +100,15 @@ def test_heldout_questions_are_new_and_answers_check():
 
 def test_overlong_truncate_and_drop(tmp_path, tok):
     src = tmp_path / "m.jsonl"
-    long = {"messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]}
+    long = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "word " * 200}]}
+    unanswered = {"messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]}
     short = {"messages": CONV}
-    src.write_text(json.dumps(short) + "\n" + json.dumps(long) + "\n")
+    src.write_text("".join(json.dumps(r) + "\n" for r in (short, long, unanswered)))
     t = load_sft_samples(str(src), "messages", tok, "assistant", 64, "truncate", "fail")
-    assert (len(t.ids), t.truncated, t.dropped) == (2, 1, 0) and max(map(len, t.ids)) == 64
+    # the unanswered one's first 64 tokens hold no assistant token: nothing to train, so it is dropped
+    assert (len(t.ids), t.truncated, t.dropped) == (2, 1, 1) and max(map(len, t.ids)) == 64 and t.masks[1].any()
     d = load_sft_samples(str(src), "messages", tok, "assistant", 64, "drop", "fail")
-    assert (len(d.ids), d.truncated, d.dropped) == (1, 0, 1)
+    assert (len(d.ids), d.truncated, d.dropped) == (1, 0, 2)
 
 
 def test_bad_records(tmp_path, tok):
@@ -121,7 +123,7 @@ def test_bad_records(tmp_path, tok):
 def test_packing_boundaries(tok):
     samples = load_sft_samples(str(ASSETS / "sft_demo" / "messages.jsonl"), "messages", tok, "assistant",
                                96, "truncate", "fail", "969,30,1", "valid")
-    assert len(samples.ids) == 60
+    assert len(samples.ids) + samples.dropped == 66  # 3% of the 2,200 records; tool ones are too long
     ds = SFTDataset(samples, 96, pad_id=tok.pad_token_id, packing=True, seed=3)
     seen = []
     for k in range(len(ds)):
