@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from speedllm.generation.engine import keep_positions, last_position_only, left_pad, new_cache
-from speedllm.generation.sampling import Sampling, process_logits
+from speedllm.generation.sampling import Sampling, draw, process_logits
 from speedllm.models.moe import record_routes
 
 
@@ -95,8 +95,7 @@ def _draw(logits_NV, sampling: Sampling, generators, n: int) -> torch.Tensor:
     if sampling.greedy:
         return logits_NV.argmax(dim=-1)
     probs_NV = torch.softmax(process_logits(logits_NV, sampling, None), dim=-1)
-    return torch.cat([torch.multinomial(probs_NV[i * n:(i + 1) * n], 1, generator=g)
-                      for i, g in enumerate(generators)]).squeeze(1)
+    return torch.cat([draw(probs_NV[i * n:(i + 1) * n], g) for i, g in enumerate(generators)])
 
 
 def _all_done(done_N: torch.Tensor, group) -> bool:
