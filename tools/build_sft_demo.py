@@ -43,7 +43,8 @@ def tool_turns(question: str, answer: str) -> list:
         return [("assistant", answer)]
     expression = f"{words[-1]} + 1" if "after" in question else " ".join(words[-3:])
     call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
-    return [("assistant", f"<tool_call>\n{call}\n</tool_call>"), ("tool", calculator(expression)), ("assistant", answer)]
+    return [("assistant", f"<tool_call>\n{call}\n</tool_call>"), ("tool", calculator(expression)),
+            ("assistant", answer)]
 
 
 def main() -> None:

@@ -125,7 +125,8 @@ def last_run(mask: np.ndarray) -> np.ndarray:
     return out
 
 
-def encode_conversation(tokenizer, messages, loss_on: str, where: str = "", tools=None) -> Tuple[np.ndarray, np.ndarray]:
+def encode_conversation(tokenizer, messages, loss_on: str, where: str = "",
+                        tools=None) -> Tuple[np.ndarray, np.ndarray]:
     """(token ids [n], loss mask [n]) of one conversation rendered with the tokenizer's chat template.
 
     loss_on: "all" trains on every token, "assistant" on every assistant turn (its content and closing
@@ -166,7 +167,8 @@ class SFTSamples:
 def load_sft_samples(inputs, fmt: str, tokenizer, loss_on: str, seq_len: int, overlong: str, on_error: str,
                      split="1,0,0", split_name: str = "train") -> SFTSamples:
     """Read, render and mask the records of one split; samples longer than seq_len are truncated or
-    dropped (counted; one whose first seq_len tokens train nothing is dropped). The split is contiguous over the records, as data.split weights say."""
+    dropped (counted; one whose first seq_len tokens train nothing is dropped). The split is contiguous over the
+    records, as data.split weights say."""
     if overlong not in ("truncate", "drop"):
         raise UserError(f"data.overlong={overlong}: must be truncate or drop")
     out = SFTSamples()
