@@ -160,3 +160,17 @@ def test_end_of_run_samples_render_the_whole_multi_turn_prompt(tmp_path):
     expected = tokenizer.apply_chat_template(turns[:4], tokenize=False, add_generation_prompt=True)
     assert sample_prompts(cfg, tokenizer) == [expected]
     assert "2+2?" in expected and "4" in expected and "and 3+3?" in expected
+
+
+def test_tool_samples_show_the_schema_and_train_the_call_not_the_tools_answer(tok):
+    from speedllm.data.sft import record_tools
+
+    with open(ASSETS / "sft_demo" / "messages.jsonl") as f:
+        record = next(r for r in map(json.loads, f) if "<tool_call>" in json.dumps(r))
+    ids, mask = encode_conversation(tok, to_messages(record, "messages", "x"), "assistant", "x",
+                                    record_tools(record, "x"))
+    text = tok.apply_chat_template(record["messages"], tools=record["tools"], tokenize=False)
+    assert '<tools>\n{"type": "function", "function": {"name": "calculator"' in text
+    assert ids.tolist() == tok(text, add_special_tokens=False)["input_ids"]
+    call, answer = record["messages"][2]["content"], record["messages"][4]["content"]
+    assert tok.decode(ids[mask == 1]) == f"{call}<|im_end|><think>\n\n</think>\n\n{answer}<|im_end|>"
