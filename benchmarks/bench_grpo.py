@@ -1,6 +1,7 @@
 """GRPO steps/s: our `task=grpo` against TRL's `GRPOTrainer`, same model, prompts, reward and settings.
 
-    python -m benchmarks grpo [--steps 6] [--prompts 8] [--group 8] [--new-tokens 16] [--dtype bfloat16] [--dry]
+    python -m benchmarks grpo [--steps 6] [--prompts 8] [--group 8] [--new-tokens 16] [--dtype bfloat16]
+                              [--batch-invariant] [--dry]
 
 One small Qwen3 (random weights: hidden 256, 4 layers, the demo tokenizer's 8,192-token vocabulary, tied), saved
 by transformers with the demo tokenizer beside it; `data=rl_demo`'s prompts in order; the `math_answer` reward
@@ -15,7 +16,8 @@ ships, alone in its own process, with torch's default threads:
          transformers' generate, then its loss; a step's wall time is between consecutive on_step_end callbacks
 The first step of each (start-up, first allocations) is not counted; the median of the rest is reported, with
 each process's peak resident set size (ru_maxrss: the Python runtime and its imports included).
---dry: 2 steps of 2 prompts x 2 completions, 4 new tokens, a 2-layer model.
+--batch-invariant: ours with hardware.batch_invariant=true (rollout and training log-probabilities bit-identical;
+TRL has no such mode). --dry: 2 steps of 2 prompts x 2 completions, 4 new tokens, a 2-layer model.
 """
 
 import json
@@ -57,7 +59,7 @@ def ours(model: Path, run_dir: Path, args) -> tuple:
             f"rl.max_new_tokens={args.new_tokens}", f"optim.lr={LR}", "optim.min_lr=0", "optim.warmup_steps=0",
             "optim.schedule=constant", "rl.rewards=[{_target_: speedllm.train.rewards.math_answer, weight: 1.0}]",
             "checkpoint.save_final=false", "logging.progress_bar=false", "logging.tensorboard=false",
-            "train.log_every=1000"]
+            "train.log_every=1000", f"hardware.batch_invariant={str(args.batch_invariant).lower()}"]
     out = subprocess.run([sys.executable, "-c", CHILD_PEAK, sys.executable, *argv],
                          check=True, capture_output=True, text=True, cwd=run_dir.parent)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -105,6 +107,7 @@ def main(argv=None) -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--batch-invariant", action="store_true", help="ours in batch-invariant mode")
     parser.add_argument("--child", choices=["trl"], help="(internal) run TRL in this process")
     parser.add_argument("--model", help="(internal) the saved model")
     parser.add_argument("--out", help="(internal) TRL's output directory")
@@ -122,7 +125,8 @@ def main(argv=None) -> None:
         runs["trl"] = json.loads(child.stdout.strip().splitlines()[-1])
     counted = {name: t[1:] or t for name, (t, _) in runs.items()}
     print(f"\ngrpo: {args.prompts} prompts x {args.group} completions, <= {args.new_tokens} new tokens, {args.layers} "
-          f"layers x 256, {args.dtype}, {len(runs['ours'][0])} steps (first not counted)")
+          f"layers x 256, {args.dtype}, {len(runs['ours'][0])} steps (first not counted)"
+          + (", ours batch-invariant" if args.batch_invariant else ""))
     print("| system | s/step (median) | steps/s | peak RSS GiB |\n|---|---|---|---|")
     for name, t in counted.items():
         print(f"| {name} | {statistics.median(t):.3f} | {1 / statistics.median(t):.2f} | {runs[name][1]:.2f} |")

@@ -100,13 +100,15 @@ def test_heldout_questions_are_new_and_answers_check():
 
 def test_overlong_truncate_and_drop(tmp_path, tok):
     src = tmp_path / "m.jsonl"
-    long = {"messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]}
+    long = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "word " * 200}]}
+    unanswered = {"messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]}
     short = {"messages": CONV}
-    src.write_text(json.dumps(short) + "\n" + json.dumps(long) + "\n")
+    src.write_text("".join(json.dumps(r) + "\n" for r in (short, long, unanswered)))
     t = load_sft_samples(str(src), "messages", tok, "assistant", 64, "truncate", "fail")
-    assert (len(t.ids), t.truncated, t.dropped) == (2, 1, 0) and max(map(len, t.ids)) == 64
+    # the unanswered one's first 64 tokens hold no assistant token: nothing to train, so it is dropped
+    assert (len(t.ids), t.truncated, t.dropped) == (2, 1, 1) and max(map(len, t.ids)) == 64 and t.masks[1].any()
     d = load_sft_samples(str(src), "messages", tok, "assistant", 64, "drop", "fail")
-    assert (len(d.ids), d.truncated, d.dropped) == (1, 0, 1)
+    assert (len(d.ids), d.truncated, d.dropped) == (1, 0, 2)
 
 
 def test_bad_records(tmp_path, tok):
@@ -121,7 +123,7 @@ def test_bad_records(tmp_path, tok):
 def test_packing_boundaries(tok):
     samples = load_sft_samples(str(ASSETS / "sft_demo" / "messages.jsonl"), "messages", tok, "assistant",
                                96, "truncate", "fail", "969,30,1", "valid")
-    assert len(samples.ids) == 60
+    assert len(samples.ids) + samples.dropped == 66  # 3% of the 2,200 records; tool ones are too long
     ds = SFTDataset(samples, 96, pad_id=tok.pad_token_id, packing=True, seed=3)
     seen = []
     for k in range(len(ds)):
@@ -158,3 +160,17 @@ def test_end_of_run_samples_render_the_whole_multi_turn_prompt(tmp_path):
     expected = tokenizer.apply_chat_template(turns[:4], tokenize=False, add_generation_prompt=True)
     assert sample_prompts(cfg, tokenizer) == [expected]
     assert "2+2?" in expected and "4" in expected and "and 3+3?" in expected
+
+
+def test_tool_samples_show_the_schema_and_train_the_call_not_the_tools_answer(tok):
+    from speedllm.data.sft import record_tools
+
+    with open(ASSETS / "sft_demo" / "messages.jsonl") as f:
+        record = next(r for r in map(json.loads, f) if "<tool_call>" in json.dumps(r))
+    ids, mask = encode_conversation(tok, to_messages(record, "messages", "x"), "assistant", "x",
+                                    record_tools(record, "x"))
+    text = tok.apply_chat_template(record["messages"], tools=record["tools"], tokenize=False)
+    assert '<tools>\n{"type": "function", "function": {"name": "calculator"' in text
+    assert ids.tolist() == tok(text, add_special_tokens=False)["input_ids"]
+    call, answer = record["messages"][2]["content"], record["messages"][4]["content"]
+    assert tok.decode(ids[mask == 1]) == f"{call}<|im_end|><think>\n\n</think>\n\n{answer}<|im_end|>"

@@ -144,3 +144,11 @@ def test_planner_counts_the_rollout_cache_and_the_reference(layout):
     assert memory.teacher == memory.params + root and plain.teacher == 0
     assert memory.total == max(plain.total + memory.teacher, memory.params + memory.optimizer + memory.teacher
                                + memory.rollout)
+
+
+def test_math_closeness_gives_partial_credit_by_distance():
+    from speedllm.train.rewards import math_closeness
+
+    completions = ["<think>\n\n</think>\n\n53", "no number", [{"role": "assistant", "content": "55"}], "\\boxed{1/2}",
+                   "<think>\n7\n</think>\n\n-45"]
+    assert math_closeness(None, completions, ["55", "55", "55", "0.5", "55"]) == [1 / 3, 0.0, 1.0, 1.0, 1 / 101]

@@ -36,7 +36,7 @@ def test_logprobs_match_transformers_and_our_training_forward(moe, hf_pair):
     ro = sample(ours, prompts, [10, 11])
     lengths = ro.completion_mask.sum(dim=1)
     assert ro.tokens.shape == (6, 9 + lengths.max()) and ro.prompt_lens.tolist() == [5, 5, 5, 9, 9, 9]
-    assert ro.truncated.tolist() == (lengths == 12).tolist()
+    assert ro.truncated.tolist() == [len(ids) == 12 and ids[-1] not in STOPS for ids in ro.completion_ids()]
     for row, ids in zip(ro.tokens.tolist(), ro.completion_ids()):  # a row ends at its first stop id, kept
         assert not set(ids[:-1]) & set(STOPS) and (len(ids) == 12 or ids[-1] in STOPS)
         assert row[9 + len(ids):] == [0] * (ro.tokens.shape[1] - 9 - len(ids))
@@ -79,3 +79,13 @@ def test_a_prompt_samples_the_same_whatever_shares_its_batch(hf_pair):
     alone = sample(ours, prompts[1:2], [21])
     assert alone.completion_ids() == together.completion_ids()[3:6]
     assert len(set(map(tuple, together.completion_ids()))) > 3  # the draws differ between completions
+
+
+def test_draw_samples_the_distribution_and_never_a_zero_probability_token():
+    from speedllm.generation.sampling import draw
+
+    probs = torch.tensor([[0.5, 0.0, 0.2, 0.3, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0]]).repeat(10000, 1)
+    tokens = draw(probs, torch.Generator().manual_seed(0)).view(10000, 2)
+    freq = torch.bincount(tokens[:, 0], minlength=5) / 10000
+    assert (freq - probs[0]).abs().max() < 0.015 and freq[1] == freq[4] == 0  # 3 standard errors: 0.015
+    assert (tokens[:, 1] == 4).all()

@@ -189,3 +189,20 @@ def test_tensor_parallel_ranks_get_the_first_ranks_answers(tmp_path):
     out = mp.Manager().dict()
     mp.spawn(_tp_ranks, args=(str(tmp_path / "store"), out), nprocs=2)
     assert out[0] == out[1] and "\nrank 0\n</tool_response>" in out[0][0] and out[0][1] == 0
+
+
+def test_prompts_show_the_tools_as_the_chat_template_renders_them(tmp_path):
+    from speedllm.data.prompts import load_prompts
+    from speedllm.errors import UserError
+    from speedllm.train.tools import tool_schemas
+
+    tok = load_tokenizer(str(DEMO_TOKENIZER))
+    prompt = [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "What is 2 + 3?"}]
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": prompt, "answer": "5"}) + "\n")
+    data = load_prompts(str(tmp_path / "p.jsonl"), tok, 1000, 8, tool_schemas({"calculator": calculator}))
+    # transformers builds the schema from the function itself
+    assert data.ids[0] == tok.apply_chat_template(prompt, tools=[calculator], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False)
+    assert "calculator" in tok.decode(data.ids[0])
+    with pytest.raises(UserError, match="rl.tools: slow cannot be shown to the model"):
+        tool_schemas({"slow": slow})

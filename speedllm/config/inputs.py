@@ -192,9 +192,11 @@ def check_rl(cfg: DictConfig) -> None:
     from speedllm.data.prompts import load_prompts
     from speedllm.data.tokenizer import load_tokenizer
     from speedllm.models.rope import max_positions
+    from speedllm.train.tools import build_tools, tool_schemas
 
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.trust_remote_code)
     if rl.tools and tokenizer.convert_tokens_to_ids("</tool_call>") in (None, tokenizer.unk_token_id):
         raise UserError(f"rl.tools: the tokenizer {cfg.data.tokenizer} has no </tool_call> token to end a call; use a "
                         "Qwen3 tokenizer or leave rl.tools empty")
-    load_prompts(cfg.data.input, tokenizer, max_positions(cfg.model) - rl.max_new_tokens, rl.max_new_tokens)
+    load_prompts(cfg.data.input, tokenizer, max_positions(cfg.model) - rl.max_new_tokens, rl.max_new_tokens,
+                 tool_schemas(build_tools(rl.tools)))

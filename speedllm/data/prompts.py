@@ -38,11 +38,12 @@ def _messages(prompt, where: str) -> bool:
     raise UserError(f"{where}: prompt must be text or a list of {{role, content}} messages")
 
 
-def load_prompts(inputs, tokenizer, max_prompt_tokens: int, max_new_tokens: int) -> PromptSet:
+def load_prompts(inputs, tokenizer, max_prompt_tokens: int, max_new_tokens: int, tools=None) -> PromptSet:
     """Every record of `inputs` (data.input: file, glob or list), tokenized; the first bad record is one line.
 
     Args:
         max_prompt_tokens: the model's positions minus rl.max_new_tokens: a longer prompt is refused.
+        tools: JSON schemas of rl.tools, which the chat template shows in message prompts (its `tools=`).
     """
     ids, prompts, rows, wheres = [], [], [], []
     for path in expand_inputs(inputs):
@@ -55,7 +56,8 @@ def load_prompts(inputs, tokenizer, max_prompt_tokens: int, max_new_tokens: int)
             prompt = record["prompt"]
             if _messages(prompt, where):
                 try:
-                    text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+                    text = tokenizer.apply_chat_template(prompt, tools=tools or None, tokenize=False,
+                                                         add_generation_prompt=True)
                 except Exception as e:  # noqa: BLE001 - no chat template, or one that fails on these messages
                     raise UserError(f"{where}: chat messages need the tokenizer's chat template, which failed "
                                     f"({one_line(e)}); give text prompts, or a data.tokenizer with a chat "

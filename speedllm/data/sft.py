@@ -67,12 +67,20 @@ def to_messages(record, fmt: str, where: str) -> List[Dict[str, str]]:
     raise UserError(f"data.format={fmt}: must be pretrain, alpaca, sharegpt or messages")
 
 
+def record_tools(record, where: str):
+    """A messages or sharegpt record's `tools`: the JSON schemas its chat template shows (None without)."""
+    tools = record.get("tools") if isinstance(record, dict) else None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise _bad(where, "tools is not a list of objects", "give tools as a list of JSON function schemas")
+    return tools or None
+
+
 def has_generation_markers(tokenizer) -> bool:
     """True when the chat template marks assistant output with {% generation %} (HF's assistant mask)."""
     return bool(re.search(r"{%-?\s*generation\s*-?%}", tokenizer.chat_template or ""))
 
 
-def _assistant_mask_by_search(tokenizer, messages, text: str, where: str) -> Tuple[List[int], List[int]]:
+def _assistant_mask_by_search(tokenizer, messages, text: str, where: str, tools=None) -> Tuple[List[int], List[int]]:
     """Tokens and assistant mask for templates without generation markers.
 
     Walks the rendered text message by message, finding each content after the previous one. An
@@ -93,7 +101,8 @@ def _assistant_mask_by_search(tokenizer, messages, text: str, where: str) -> Tup
         if m["role"] == "assistant":
             head = start
             if i > 0:
-                prompt = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+                prompt = tokenizer.apply_chat_template(messages[:i], tools=tools, tokenize=False,
+                                                       add_generation_prompt=True)
                 if text.startswith(prompt) and cursor <= len(prompt) <= start:
                     head = len(prompt)
             spans.append((head, end))
@@ -116,11 +125,13 @@ def last_run(mask: np.ndarray) -> np.ndarray:
     return out
 
 
-def encode_conversation(tokenizer, messages, loss_on: str, where: str = "") -> Tuple[np.ndarray, np.ndarray]:
+def encode_conversation(tokenizer, messages, loss_on: str, where: str = "",
+                        tools=None) -> Tuple[np.ndarray, np.ndarray]:
     """(token ids [n], loss mask [n]) of one conversation rendered with the tokenizer's chat template.
 
     loss_on: "all" trains on every token, "assistant" on every assistant turn (its content and closing
     end-of-turn token, not the role header), "last" on the last assistant turn only.
+    tools: JSON schemas the template shows (its `tools=`), or None.
     """
     if loss_on not in ("all", "assistant", "last"):
         raise UserError(f"data.loss_on={loss_on}: must be all, assistant or last")
@@ -128,12 +139,12 @@ def encode_conversation(tokenizer, messages, loss_on: str, where: str = "") -> T
         raise _bad(where, "no assistant turn", "every SFT sample needs at least one assistant message")
     if has_generation_markers(tokenizer):
         out = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )
         ids, mask = out["input_ids"], out["assistant_masks"]
     else:
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
-        ids, mask = _assistant_mask_by_search(tokenizer, messages, text, where)
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+        ids, mask = _assistant_mask_by_search(tokenizer, messages, text, where, tools)
     ids, mask = np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.int64)
     if loss_on == "all":
         mask = np.ones_like(mask)
@@ -156,7 +167,8 @@ class SFTSamples:
 def load_sft_samples(inputs, fmt: str, tokenizer, loss_on: str, seq_len: int, overlong: str, on_error: str,
                      split="1,0,0", split_name: str = "train") -> SFTSamples:
     """Read, render and mask the records of one split; samples longer than seq_len are truncated or
-    dropped (counted). The split is contiguous over the records, as data.split weights say."""
+    dropped (counted; one whose first seq_len tokens train nothing is dropped). The split is contiguous over the
+    records, as data.split weights say."""
     if overlong not in ("truncate", "drop"):
         raise UserError(f"data.overlong={overlong}: must be truncate or drop")
     out = SFTSamples()
@@ -166,14 +178,15 @@ def load_sft_samples(inputs, fmt: str, tokenizer, loss_on: str, seq_len: int, ov
         try:
             if isinstance(record, UserError):
                 raise record
-            ids, mask = encode_conversation(tokenizer, to_messages(record, fmt, where), loss_on, where)
+            ids, mask = encode_conversation(tokenizer, to_messages(record, fmt, where), loss_on, where,
+                                            record_tools(record, where))
         except UserError as e:
             if on_error == "fail" or not hasattr(e, "reason"):
                 raise
             out.skipped[e.reason] = out.skipped.get(e.reason, 0) + 1
             continue
         if len(ids) > seq_len:
-            if overlong == "drop":
+            if overlong == "drop" or not mask[:seq_len].any():  # nothing left to learn from a truncated one
                 out.dropped += 1
                 continue
             ids, mask = ids[:seq_len], mask[:seq_len]

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from speedllm.generation.engine import keep_positions, last_position_only, left_pad, new_cache
-from speedllm.generation.sampling import Sampling, process_logits
+from speedllm.generation.sampling import Sampling, draw, process_logits
 from speedllm.models.moe import record_routes
 
 
@@ -82,12 +82,15 @@ def policy_temperature(sampling: Sampling) -> float:
     return sampling.temperature if not sampling.greedy else 1.0
 
 
-def token_logprobs(logits_NV: torch.Tensor, tokens_N: torch.Tensor, temperature: float) -> tuple:
-    """(log-probability of tokens_N, entropy) under softmax(logits / temperature), float32; the one formula the
-    rollout and the training forward share. Entropy is detached (a metric)."""
+def token_logprobs(logits_NV: torch.Tensor, tokens_N: torch.Tensor, temperature: float, entropy: bool = True) -> tuple:
+    """(log-probability of tokens_N, entropy or None) under softmax(logits / temperature), float32; the one formula
+    the rollout and the training forward share. Entropy is detached (a metric; the rollout skips it: its exp over
+    the vocabulary costs a decode step more than sampling does)."""
     logp_NV = torch.log_softmax(logits_NV.float() / temperature, dim=-1)
-    with torch.no_grad():
-        entropy_N = -(logp_NV.exp() * logp_NV).sum(dim=-1)
+    entropy_N = None
+    if entropy:
+        with torch.no_grad():
+            entropy_N = -(logp_NV.exp() * logp_NV).sum(dim=-1)
     return logp_NV.gather(-1, tokens_N.unsqueeze(-1)).squeeze(-1), entropy_N
 
 
@@ -95,8 +98,7 @@ def _draw(logits_NV, sampling: Sampling, generators, n: int) -> torch.Tensor:
     if sampling.greedy:
         return logits_NV.argmax(dim=-1)
     probs_NV = torch.softmax(process_logits(logits_NV, sampling, None), dim=-1)
-    return torch.cat([torch.multinomial(probs_NV[i * n:(i + 1) * n], 1, generator=g)
-                      for i, g in enumerate(generators)]).squeeze(1)
+    return torch.cat([draw(probs_NV[i * n:(i + 1) * n], g) for i, g in enumerate(generators)])
 
 
 def _all_done(done_N: torch.Tensor, group) -> bool:
@@ -180,7 +182,7 @@ def rollout(
                 if forced:
                     forced_N[forced] = True
                     token_N[forced] = torch.tensor([queues[r].pop(0) for r in forced], device=device)
-            logprob_N, _ = token_logprobs(logits_NV, token_N, temperature)
+            logprob_N, _ = token_logprobs(logits_NV, token_N, temperature, entropy=False)
             sampled_N = ~done_N & ~forced_N
             live_NC[:, step] = sampled_N.float()
             tool_NC[:, step] = forced_N.float()

@@ -49,7 +49,7 @@ from speedllm.train.policy_loss import group_advantages, policy_loss, rollout_co
 from speedllm.train.rewards import length_penalty
 from speedllm.train.state import extra_state
 from speedllm.train.step import optimizer_update
-from speedllm.train.tools import ToolRunner, build_tools, conversation
+from speedllm.train.tools import ToolRunner, build_tools, conversation, tool_schemas
 
 
 def build_rewards(rl) -> list:
@@ -312,7 +312,8 @@ def run(cfg, rt: Runtime) -> None:
     rl, t, ck = cfg.rl, cfg.train, cfg.checkpoint
     _, _, dp_group = rt.dims.coords("dp")
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.trust_remote_code)
-    data = load_prompts(cfg.data.input, tokenizer, max_positions(cfg.model) - rl.max_new_tokens, rl.max_new_tokens)
+    data = load_prompts(cfg.data.input, tokenizer, max_positions(cfg.model) - rl.max_new_tokens, rl.max_new_tokens,
+                        tool_schemas(build_tools(rl.tools)))
     rewards = build_rewards(rl)
     reference = None
     if rl.kl_coef != 0.0 and cfg.finetune.name == "full":  # else the policy with its adapters off

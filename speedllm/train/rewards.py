@@ -76,6 +76,20 @@ def math_answer(prompts, completions, answer, **columns) -> List[float]:
     return rewards
 
 
+def math_closeness(prompts, completions, answer, **columns) -> List[float]:
+    """1 / (1 + |final answer − the record's `answer`|) where both are numbers, else 0.0: 1 for the right number,
+    1/2 one off, 1/11 ten off. Partial credit for a model that seldom answers exactly but often nearly (the
+    demo's starting checkpoint), so that most groups carry an advantage."""
+    rewards = []
+    for completion, truth in zip(completions, answer):
+        found = final_answer(completion_text(completion))
+        try:
+            rewards.append(1.0 / (1.0 + abs(eval_fraction(found) - eval_fraction(str(truth)))))
+        except (TypeError, ValueError, ZeroDivisionError, AttributeError):  # no number, or not a number
+            rewards.append(0.0)
+    return rewards
+
+
 def think_format(prompts, completions, **columns) -> List[float]:
     """1.0 where the completion is `<think>...</think>` followed by a non-empty answer, else 0.0."""
     return [float(_THINK.match(completion_text(c)) is not None) for c in completions]

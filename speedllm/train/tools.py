@@ -19,6 +19,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch.distributed as dist
 
+from speedllm.errors import UserError
+
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 MAX_EXPRESSION = 200  # characters
@@ -44,7 +46,11 @@ def _value(node):
 
 
 def calculator(expression: str) -> str:
-    """The value of an arithmetic expression such as "(3 + 4) * 2 / 7", as text."""
+    """Arithmetic.
+
+    Args:
+        expression: such as 2 + 3
+    """
     if not isinstance(expression, str) or len(expression) > MAX_EXPRESSION:
         raise ValueError(f"expression must be text of at most {MAX_EXPRESSION} characters")
     v = _value(ast.parse(expression, mode="eval").body)
@@ -163,6 +169,20 @@ def build_tools(entries) -> Dict[str, Callable]:
         fn = hydra.utils.get_method(entry["_target_"])
         tools[entry["_target_"].rsplit(".", 1)[-1]] = fn
     return tools
+
+
+def tool_schemas(tools: Dict[str, Callable]) -> List[dict]:
+    """The JSON schemas the chat template shows the model (its `tools=`), from each tool's signature and docstring."""
+    from transformers.utils import get_json_schema
+
+    schemas = []
+    for name, fn in tools.items():
+        try:
+            schemas.append(get_json_schema(fn))
+        except Exception as e:  # noqa: BLE001 - transformers' docstring and type-hint errors
+            raise UserError(f"rl.tools: {name} cannot be shown to the model ({str(e).splitlines()[0]}); give it type "
+                            "hints and a docstring with an Args: line per argument") from None
+    return schemas
 
 
 def conversation(tokenizer, completion_ids: Sequence[int], tool_mask: Optional[Sequence[float]]) -> List[dict]:
