@@ -17,6 +17,7 @@ from speedllm.ops import IMPLEMENTATIONS
 from speedllm.parallel.rules import OFFLOAD, PP_SCHEDULES, divisors, sequence_errors
 from speedllm.paths import CONF
 from speedllm.quant import QUANT_NAMES
+from speedllm.tasks import task_spec
 from speedllm.train.distill_loss import LOSSES
 from speedllm.train.muon import ADJUST_LR_FNS, NS_DTYPES
 from speedllm.train.schedule import SCHEDULES
@@ -96,7 +97,8 @@ def hybrid_model_errors(m) -> list:
     return errors
 
 
-# key -> (test, what it must be): values a library would reject later, or that would silently do nothing.
+# key -> (test, what it must be): values a library would reject later, or that would silently do nothing; a task's
+# own keys are in its SPEC (speedllm.planner.spec.TaskSpec.values)
 VALUE_RULES = {
     **{f"model.{k}": _at_least(1) for k in ("vocab_size", "hidden_size", "num_hidden_layers",
                                             "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -137,21 +139,6 @@ VALUE_RULES = {
     "plan.show_rejected": _at_least(0),
     "plan.compute_efficiency": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "plan.memory_margin": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "distill.beta": (_fraction, "in [0, 1]"),
-    "distill.temperature": _above(0),
-    "distill.ce_weight": (_fraction, "in [0, 1]"),
-    "distill.on_policy": (_fraction, "in [0, 1]"),
-    "distill.top_k": _at_least(1),  # null: the teacher's whole distribution
-    "rl.temperature": _above(0),
-    "rl.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "rl.kl_coef": _at_least(0),
-    "rl.clip_low": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "rl.clip_high": _at_least(0),
-    "rl.overlong_penalty": _at_least(0),
-    "rl.rollout_correction_threshold": _above(1),
-    "rl.max_turns": _at_least(0),
-    "rl.tool_timeout_s": _above(0),
-    "rl.tool_max_chars": _above(0),
 }
 
 
@@ -192,6 +179,10 @@ def check_task_name(cfg: DictConfig) -> None:
     if cfg.task._target_ != target:
         raise UserError(f"task.name={name} but task._target_={cfg.task._target_} runs another task; choose the "
                         f"task with task={name}, not task.name")
+    if task_spec(name).plans is not None:  # task=plan, task=dryrun: the task they plan for
+        planned = [n for n in names if task_spec(n).plans is None]
+        if cfg.plan.task not in planned:
+            raise UserError(f"plan.task={cfg.plan.task} is not a task to plan; use one of {', '.join(planned)}")
 
 
 def check_dtype(cfg: DictConfig) -> None:
@@ -208,8 +199,9 @@ def check_dtype(cfg: DictConfig) -> None:
 
 
 def check_values(cfg: DictConfig) -> None:
-    """Each value on its own: in range, finite; then the few rules between two keys of one group."""
-    for key, (ok, must_be) in VALUE_RULES.items():
+    """Each value on its own (the shared table, then the task's): in range, finite; then the few rules between two
+    keys of one group."""
+    for key, (ok, must_be) in {**VALUE_RULES, **task_spec(cfg.task.name).values}.items():
         value = OmegaConf.select(cfg, key)
         if value is None:  # an optimizer without this argument
             continue

@@ -19,6 +19,7 @@ import signal
 import threading
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import AsyncIterator, List, Optional
 
@@ -33,6 +34,7 @@ from speedllm.generation.load import DTYPES, load_model
 from speedllm.generation.sampling import Sampling
 from speedllm.models.kv_cache import cache_bytes, cache_shape
 from speedllm.models.rope import max_positions
+from speedllm.planner.spec import INFERENCE
 from speedllm.runtime import Runtime
 
 
@@ -447,3 +449,18 @@ def handle_signals(handler):
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+# ----------------------------------------------------------------- what task=serve declares (speedllm.planner.spec)
+
+def extras(run):
+    yield "task=serve", "fastapi", "serve"
+    yield "task=serve", "uvicorn", "serve"
+
+
+def workload(run) -> tuple:
+    """The slots' KV cache: serve.max_batch requests of serve.max_len tokens each (speedllm.generation.batching)."""
+    return min(run.serve.max_len, max_positions(run.model)), run.serve.max_batch
+
+
+SPEC = replace(INFERENCE, extras=extras, workload=workload, workload_keys="serve.max_batch, serve.max_len")
