@@ -158,9 +158,9 @@ def choose_layout(cfg: DictConfig) -> None:
     best = result.best if train else planner.inference_layout()
     where = f"model {cfg.model.name} on {world} x {cfg.hardware.name}"
     if train and not result.fitting and not result.too_big and result.invalid:  # the task's rules refuse them all
-        reason = max(result.invalid, key=result.invalid.get)
-        raise UserError(f"parallel=auto: no layout of {where} passes the rules of task={cfg.task.name} (most often: "
-                        f"{reason}); change the settings it names or the device count")
+        reasons = sorted(result.invalid, key=result.invalid.get, reverse=True)[:3]
+        raise UserError(f"parallel=auto: no layout of {where} passes the rules of task={cfg.task.name} ("
+                        f"{'; '.join(reasons)}); change the settings they name or the device count")
     if best is None:
         raise UserError(f"parallel=auto: no layout of {where} fits (memory_gb={cfg.hardware.memory_gb}); add devices "
                         f"(launcher.nnodes / launcher.nproc_per_node) or lower {spec.workload_keys}"

@@ -5,6 +5,7 @@ Tasks compose the layers below (generation, train, planner, parallel, checkpoint
 """
 
 import importlib
+from functools import lru_cache
 
 from omegaconf import OmegaConf
 
@@ -12,6 +13,7 @@ from speedllm.paths import CONF
 from speedllm.planner.spec import TRAINING, TaskSpec
 
 
+@lru_cache(maxsize=None)  # the conf/task files and modules of one process do not change
 def task_spec(name: str) -> TaskSpec:
     """What task=<name> declares: the SPEC of the module its conf/task file runs (TRAINING where it has none)."""
     target = OmegaConf.load(CONF / "task" / f"{name}.yaml").task._target_

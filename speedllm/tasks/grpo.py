@@ -23,6 +23,7 @@ import copy
 import functools
 import math
 import numbers
+import os
 import time
 from collections.abc import Iterator, Sized
 from typing import List
@@ -33,6 +34,7 @@ from hydra.utils import get_method
 from omegaconf import OmegaConf
 
 from speedllm.adapters.lora import adapters_disabled
+from speedllm.data.preprocess import expand_inputs
 from speedllm.data.prompts import PromptOrder, load_prompts
 from speedllm.data.tokenizer import load_tokenizer, pad_id_of, stop_ids_of
 from speedllm.errors import UserError
@@ -480,8 +482,19 @@ def read_prompts(cfg, tokenizer=None):
 def workload(run) -> tuple:
     """A step trains on every completion: rl.prompts_per_step x rl.group_size rows of the longest prompt plus
     rl.max_new_tokens (the rollout left-pads its prompts to the widest and samples up to max_new_tokens)."""
-    prompts = read_prompts(run)
-    return max(map(len, prompts.ids)) + run.rl.max_new_tokens, run.rl.prompts_per_step * run.rl.group_size
+    if run.data.input is None:
+        read_prompts(run)  # its one line
+    files = tuple((path, os.stat(path).st_mtime_ns) for path in expand_inputs(run.data.input))
+    longest = _longest_prompt(files, str(run.data.tokenizer), run.data.trust_remote_code,
+                              max_positions(run.model), run.rl.max_new_tokens)
+    return longest + run.rl.max_new_tokens, run.rl.prompts_per_step * run.rl.group_size
+
+
+@functools.lru_cache(maxsize=8)  # planning asks once per problem; a file's key holds its modification time
+def _longest_prompt(files: tuple, tokenizer: str, trust_remote_code: bool, positions: int, max_new_tokens: int) -> int:
+    prompts = load_prompts([path for path, _ in files], load_tokenizer(tokenizer, trust_remote_code),
+                           positions - max_new_tokens, max_new_tokens)
+    return max(map(len, prompts.ids))
 
 
 def micro_batch(run, dp: int) -> int:
