@@ -255,16 +255,6 @@ def check_inference(cfg: DictConfig) -> None:
         (cfg.evaluate.steps >= 1, f"evaluate.steps={cfg.evaluate.steps} must be >= 1"),
         (cfg.evaluate.batch_size >= 1, f"evaluate.batch_size={cfg.evaluate.batch_size} must be >= 1"),
     ]
-    s = cfg.serve
-    if cfg.task.name == "serve":
-        rules += [
-            (1 <= s.port <= 65535, f"serve.port={s.port} must be in 1..65535"),
-            (s.max_batch >= 1, f"serve.max_batch={s.max_batch} must be >= 1"),
-            (s.max_queue >= 1, f"serve.max_queue={s.max_queue} must be >= 1"),
-            (s.max_len >= 2, f"serve.max_len={s.max_len} must be >= 2 (prompt + completion tokens per request)"),
-            (s.max_body_bytes >= 1024, f"serve.max_body_bytes={s.max_body_bytes} must be >= 1024"),
-            (s.read_timeout > 0, f"serve.read_timeout={s.read_timeout} must be > 0 (seconds)"),
-        ]
     include = cfg.evaluate.include_path
     if cfg.task.name == "evaluate" and include is not None and not os.path.isdir(include):
         rules.append((False, f"evaluate.include_path={include} is not a directory; point it at a directory of "

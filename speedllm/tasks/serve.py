@@ -458,9 +458,20 @@ def extras(run):
     yield "task=serve", "uvicorn", "serve"
 
 
+VALUES = {
+    "serve.port": ((lambda v: 1 <= v <= 65535), "in 1..65535"),
+    "serve.max_batch": ((lambda v: v >= 1), ">= 1"),
+    "serve.max_queue": ((lambda v: v >= 1), ">= 1"),
+    "serve.max_len": ((lambda v: v >= 2), ">= 2 (prompt + completion tokens per request)"),
+    "serve.max_body_bytes": ((lambda v: v >= 1024), ">= 1024"),
+    "serve.read_timeout": ((lambda v: v > 0), "> 0 (seconds)"),
+}
+
+
 def workload(run) -> tuple:
     """The slots' KV cache: serve.max_batch requests of serve.max_len tokens each (speedllm.generation.batching)."""
     return min(run.serve.max_len, max_positions(run.model)), run.serve.max_batch
 
 
-SPEC = replace(INFERENCE, extras=extras, workload=workload, workload_keys="serve.max_batch, serve.max_len")
+SPEC = replace(INFERENCE, values=VALUES, extras=extras, workload=workload,
+               workload_keys="serve.max_batch, serve.max_len")
