@@ -318,7 +318,7 @@ def run(cfg, rt: Runtime) -> None:
     rl, t, ck = cfg.rl, cfg.train, cfg.checkpoint
     _, _, dp_group = rt.dims.coords("dp")
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.trust_remote_code)
-    data = load_prompts(cfg.data.input, tokenizer, max_positions(cfg.model) - rl.max_new_tokens, rl.max_new_tokens)
+    data = read_prompts(cfg, tokenizer)
     rewards = build_rewards(rl)
     reference = None
     if rl.kl_coef != 0.0 and cfg.finetune.name == "full":  # else the policy with its adapters off
@@ -523,16 +523,18 @@ def memory(run, frozen, rank) -> dict:
 
 
 def extra_seconds(run, frozen, rank) -> float:
-    """The rollout (a prefill of the prompts, then rl.max_new_tokens decode steps) and the reference's forward."""
+    """The rollout (a prefill of the prompts, then rl.max_new_tokens decode steps); the forwards without backward
+    over every row (the reference's with rl.kl_coef, the old policy's with rl.old_logprobs=recompute); and the
+    update's passes after the first (rl.ppo_epochs, a forward and backward: three forwards' work)."""
     m, lay, rl = run.model, rank.layout, run.rl
     rows = rl.prompts_per_step * rl.group_size
     prompt = rank.seq_len - rl.max_new_tokens
     cache = rollout_cache_bytes(m, lay, rows, rank.seq_len, rank.hardware.dtype)
     seconds = forward_seconds(m, lay, rank.hardware, rows * prompt, prompt, rank.efficiency)
     seconds += decode_seconds(lay, rank.hardware, rank.params, rl.max_new_tokens, cache)
-    if rl.kl_coef != 0:
-        seconds += forward_seconds(m, lay, rank.hardware, rows * rank.seq_len, rank.seq_len, rank.efficiency)
-    return seconds
+    forwards = (rl.kl_coef != 0) + (rl.old_logprobs == "recompute") + 3 * (rl.ppo_epochs - 1)
+    return seconds + forwards * forward_seconds(m, lay, rank.hardware, rows * rank.seq_len, rank.seq_len,
+                                                rank.efficiency)
 
 
 SPEC = TaskSpec(layout_errors=layout_errors, values=VALUES, inputs=check_inputs, train_batches=False,
