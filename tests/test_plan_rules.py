@@ -281,3 +281,20 @@ def test_parallel_auto_says_in_one_line_that_no_layout_passes_the_tasks_rules():
                                         r"parallel.dp=16") as e:
         choose_layout(cfg)
     assert "\n" not in str(e.value)
+
+
+def test_dpo_plan_counts_both_replies_of_a_pair_and_the_reference():
+    """task=dpo's micro-batch of B pairs runs 2B rows through the model (tasks/dpo.py: [B, 2, S] -> [R, S]), all
+    kept for one backward: the plan's activations are pretraining's at twice the micro-batch; with full fine-tuning
+    the frozen reference holds the model's fp32 weights again (under FSDP2 its root unit gathered)."""
+    from speedllm.planner.layout import Layout
+    from speedllm.tasks import task_spec
+
+    base = ("model=qwen3_0.6b", "hardware=h100", "train.seq_len=2048", "train.global_batch_size=16")
+    dpo = Planner(problem_from_config(compose_config("task=dpo", *base), 2, task_spec("dpo")))
+    plain = Planner(problem_from_config(compose_config(*base), 2))
+    (pairs,), (rows,) = dpo.rank_memories(Layout(dp=2, micro_batch=2)), plain.rank_memories(Layout(dp=2, micro_batch=4))
+    m = dpo.p.model
+    root = 2 * (m.vocab_size * m.hidden_size + m.hidden_size)  # bf16, gathered while the loss reads it
+    assert pairs.activations == rows.activations > 0
+    assert pairs.teacher == pairs.params + root and rows.teacher == 0

@@ -145,13 +145,19 @@ class Planner:
         p = self.p
         stages = self.rank_params(layout, self.split(layout, explicit_split))
         muon_bytes = DTYPES[self.muon[0]].itemsize if self.muon else 0
-        return [replace(rank_memory(p.model, layout, sp, r, p.seq_len, p.global_batch, p.hardware.dtype,
-                                    p.loss_chunk, self.tp_facts, p.hardware.ops, p.hardware.device, muon_bytes),
+        k = p.task.rows_per_item
+        return [replace(rank_memory(p.model, self.rows(layout), sp, r, p.seq_len, p.global_batch * k,
+                                    p.hardware.dtype, p.loss_chunk, self.tp_facts, p.hardware.ops,
+                                    p.hardware.device, muon_bytes),
                         **p.task.memory(p.run, self.frozen, self.rank(layout, sp)))
                 for r, sp in enumerate(stages)]
 
     def rank(self, layout: Layout, sp) -> Rank:
         return Rank(layout, sp, self.p.seq_len, self.p.hardware, self.p.efficiency)
+
+    def rows(self, layout: Layout) -> Layout:
+        """`layout` with its micro-batch in the model's rows (TaskSpec.rows_per_item: a DPO pair is two)."""
+        return replace(layout, micro_batch=layout.micro_batch * self.p.task.rows_per_item)
 
     def estimate(self, layout: Layout, explicit_split=None) -> Estimate:
         """Memory of the busiest rank and step time of `layout` (assumed structurally valid)."""
@@ -159,22 +165,23 @@ class Planner:
         stages = self.rank_params(layout, self.split(layout, explicit_split))
         memory = max(self.rank_memories(layout, explicit_split), key=lambda mem: mem.total)
         busiest = max(stages, key=lambda sp: sp.gathered)
+        rows, batch = self.rows(layout), p.global_batch * p.task.rows_per_item  # in the model's rows
         selective = 0.0
         if layout.recompute == "selective":
             e = DTYPES[p.hardware.dtype].itemsize
-            kept = Layout(**{**layout.__dict__, "recompute": "none"})
+            kept = replace(rows, recompute="none")
             moe = m.num_experts > 0
             ops = p.hardware.ops
             selective = (layer_activation_bytes(m, kept, p.seq_len, e, moe, self.tp_facts, ops)
-                         - layer_activation_bytes(m, layout, p.seq_len, e, moe, self.tp_facts, ops))
+                         - layer_activation_bytes(m, rows, p.seq_len, e, moe, self.tp_facts, ops))
         measured = None
         if p.hardware.device == "cpu":  # this CPU (its profile is the probe's): time the model on it
-            measured = layer_and_rest_seconds(config_key(m), layout.micro_batch, p.seq_len, p.hardware.dtype,
+            measured = layer_and_rest_seconds(config_key(m), rows.micro_batch, p.seq_len, p.hardware.dtype,
                                               p.hardware.ops)
-        time = step_time(m, layout, p.hardware, busiest, p.seq_len, p.global_batch, p.efficiency, selective,
+        time = step_time(m, rows, p.hardware, busiest, p.seq_len, batch, p.efficiency, selective,
                          memory.offloaded_per_layer, self.muon, measured)
         time.task = p.task.extra_seconds(p.run, self.frozen, self.rank(layout, busiest))
-        tokens_per_s = p.global_batch * p.seq_len / time.total
+        tokens_per_s = batch * p.seq_len / time.total
         mfu = tokens_per_s * per_token(m, p.seq_len)[0] / (p.hardware.peak_tflops[p.hardware.dtype] * 1e12
                                                                  * layout.world)
         fits = memory.total <= p.capacity and memory.host <= p.host_capacity

@@ -69,6 +69,8 @@ class TaskSpec:
     workload: Callable[..., Tuple[int, int]] = train_workload
     # (run, dp) -> the micro-batch a data-parallel rank trains on, where the task fixes it (None: searched)
     micro_batch: Optional[Callable[..., int]] = None
+    # rows of the model's forward per batch item (train.*_batch_size count items): a DPO pair is two replies
+    rows_per_item: int = 1
     # (run, frozen, Rank) -> bytes a training rank holds beyond training's own, by speedllm.planner.memory.Memory
     # field: teacher (a frozen model), rollout (a sampling cache), logits
     memory: Callable[..., Dict[str, float]] = no_memory

@@ -141,5 +141,5 @@ def extra_seconds(run, frozen, rank) -> float:
                            rank.efficiency)
 
 
-SPEC = TaskSpec(layout_errors=layout_errors, inputs=check_inputs, frozen_model=frozen_model, memory=memory,
-                extra_seconds=extra_seconds)
+SPEC = TaskSpec(layout_errors=layout_errors, inputs=check_inputs, rows_per_item=2, frozen_model=frozen_model,
+                memory=memory, extra_seconds=extra_seconds)
