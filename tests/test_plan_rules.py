@@ -298,3 +298,14 @@ def test_dpo_plan_counts_both_replies_of_a_pair_and_the_reference():
     root = 2 * (m.vocab_size * m.hidden_size + m.hidden_size)  # bf16, gathered while the loss reads it
     assert pairs.activations == rows.activations > 0
     assert pairs.teacher == pairs.params + root and rows.teacher == 0
+
+
+def test_every_task_file_has_the_spec_its_module_declares():
+    """Each conf/task file's module has a SPEC (or trains as pretraining does) that agrees with the file on whether
+    the task runs a trained model (planning reads the one, validation and the runtime the other)."""
+    from speedllm.paths import CONF
+    from speedllm.tasks import task_spec
+
+    for path in sorted((CONF / "task").glob("*.yaml")):
+        task = OmegaConf.load(path).task
+        assert task_spec(path.stem).inference == bool(task.get("inference", False)), path.stem

@@ -81,11 +81,11 @@ class TaskSpec:
     extra_seconds: Callable[..., float] = lambda run, frozen, rank: 0.0
     # the keys that size the workload, for "no layout fits: lower ..."
     workload_keys: str = "train.seq_len, train.global_batch_size"
-    # runs a trained model: placed for inference (Planner.inference_layout), not searched as training
+    # runs a trained model (as its conf/task file's task.inference says): placed for inference
+    # (Planner.inference_layout), not searched as training
     inference: bool = False
     # run -> the task this one plans for (task=plan, task=dryrun: plan.task), whose declarations planning reads
     plans: Optional[Callable[..., str]] = None
-
 
 
 def refuse_pairs(run) -> None:
