@@ -16,6 +16,7 @@ from speedllm.models.qwen3 import is_moe_layer
 from speedllm.ops import IMPLEMENTATIONS
 from speedllm.parallel.rules import OFFLOAD, PP_SCHEDULES, divisors, sequence_errors
 from speedllm.paths import CONF
+from speedllm.planner.spec import above, at_least, fraction
 from speedllm.quant import QUANT_NAMES
 from speedllm.tasks import task_spec
 from speedllm.train.distill_loss import LOSSES
@@ -57,18 +58,6 @@ CHOICES = {
 LORA_TARGETS = (*PROJECTIONS, "experts")
 
 
-def _at_least(low):
-    return (lambda v: v >= low), f">= {low}"
-
-
-def _above(low):
-    return (lambda v: v > low), f"> {low}"
-
-
-def _fraction(v) -> bool:
-    return 0 <= v <= 1
-
-
 def _finite(v) -> bool:
     return all(math.isfinite(x) for x in (v if isinstance(v, list) else [v]))
 
@@ -100,43 +89,43 @@ def hybrid_model_errors(m) -> list:
 # key -> (test, what it must be): values a library would reject later, or that would silently do nothing; a task's
 # own keys are in its SPEC (speedllm.planner.spec.TaskSpec.values)
 VALUE_RULES = {
-    **{f"model.{k}": _at_least(1) for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+    **{f"model.{k}": at_least(1) for k in ("vocab_size", "hidden_size", "num_hidden_layers",
                                             "num_attention_heads", "num_key_value_heads", "head_dim",
                                             "max_position_embeddings")},
-    "model.intermediate_size": _at_least(0),  # 0: no dense MLP (every layer MoE); checked with the layers below
-    "model.rope_theta": _above(0),
-    "model.rms_norm_eps": _above(0),
-    "model.num_experts": _at_least(0),
-    **{f"train.{k}": _at_least(1) for k in ("steps", "seq_len", "micro_batch_size", "global_batch_size", "log_every",
+    "model.intermediate_size": at_least(0),  # 0: no dense MLP (every layer MoE); checked with the layers below
+    "model.rope_theta": above(0),
+    "model.rms_norm_eps": above(0),
+    "model.num_experts": at_least(0),
+    **{f"train.{k}": at_least(1) for k in ("steps", "seq_len", "micro_batch_size", "global_batch_size", "log_every",
                                             "eval_steps", "max_bad_steps")},
     # loss_chunk_size 0: chunks by the logits budget (speedllm.ops.loss.chunk_rows)
-    **{f"train.{k}": _at_least(0) for k in ("eval_every", "grad_clip", "stop_after", "loss_chunk_size")},
-    "optim.lr": _above(0),
-    "optim.min_lr": _at_least(0),
-    "optim.weight_decay": _at_least(0),
-    "optim.eps": _at_least(0),
-    "optim.warmup_steps": _at_least(0),
-    "optim.decay_fraction": (_fraction, "in [0, 1]"),
+    **{f"train.{k}": at_least(0) for k in ("eval_every", "grad_clip", "stop_after", "loss_chunk_size")},
+    "optim.lr": above(0),
+    "optim.min_lr": at_least(0),
+    "optim.weight_decay": at_least(0),
+    "optim.eps": at_least(0),
+    "optim.warmup_steps": at_least(0),
+    "optim.decay_fraction": (fraction, "in [0, 1]"),
     "optim.betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two values in [0, 1), like [0.9,0.95]"),
     "optim.momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "optim.ns_steps": (lambda v: 1 <= v < 100, "in [1, 99]"),
     "optim.ns_coefficients": (lambda v: len(v) == 3, "three values a,b,c like [3.4445,-4.775,2.0315]"),
-    "optim.adamw_lr": _above(0),
-    "optim.adamw_weight_decay": _at_least(0),
-    "optim.adamw_eps": _at_least(0),
+    "optim.adamw_lr": above(0),
+    "optim.adamw_weight_decay": at_least(0),
+    "optim.adamw_eps": at_least(0),
     "optim.adamw_betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two values in [0, 1), like [0.9,0.95]"),
-    "checkpoint.every": _at_least(0),
-    "launcher.nnodes": _at_least(1),
-    "launcher.nproc_per_node": _at_least(0),
-    "launcher.node_rank": _at_least(0),
-    "launcher.max_restarts": _at_least(0),
-    "launcher.monitor_interval": _above(0),
-    "launcher.rdzv_timeout": _above(0),
-    "data.workers": _at_least(1),
-    "data.loader_workers": _at_least(0),
-    "hardware.memory_gb": _above(0),
-    "plan.top": _at_least(1),
-    "plan.show_rejected": _at_least(0),
+    "checkpoint.every": at_least(0),
+    "launcher.nnodes": at_least(1),
+    "launcher.nproc_per_node": at_least(0),
+    "launcher.node_rank": at_least(0),
+    "launcher.max_restarts": at_least(0),
+    "launcher.monitor_interval": above(0),
+    "launcher.rdzv_timeout": above(0),
+    "data.workers": at_least(1),
+    "data.loader_workers": at_least(0),
+    "hardware.memory_gb": above(0),
+    "plan.top": at_least(1),
+    "plan.show_rejected": at_least(0),
     "plan.compute_efficiency": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "plan.memory_margin": (lambda v: 0 <= v < 1, "in [0, 1)"),
 }

@@ -17,6 +17,19 @@ from speedllm.planner.layout import Layout
 from speedllm.planner.training import StageParams
 
 
+def at_least(low):
+    """A value rule (test, what it must be): at least `low`."""
+    return (lambda v: v >= low), f">= {low}"
+
+
+def above(low):
+    return (lambda v: v > low), f"> {low}"
+
+
+def fraction(v) -> bool:
+    return 0 <= v <= 1
+
+
 class Rank(NamedTuple):
     """What the planner knows of a layout's busiest rank, for a task's memory and time declarations."""
 

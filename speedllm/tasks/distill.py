@@ -36,7 +36,7 @@ from speedllm.parallel import ParallelModel
 from speedllm.parallel.rules import distill_layout_errors
 from speedllm.parallel.rules import layout_errors as rule_errors
 from speedllm.planner.frozen import teacher_bytes
-from speedllm.planner.spec import TaskSpec, refuse_pairs
+from speedllm.planner.spec import TaskSpec, above, at_least, fraction, refuse_pairs
 from speedllm.planner.timing import forward_seconds
 from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.build import build_training, grad_accum_steps, to_device, training_loop
@@ -231,16 +231,12 @@ def run(cfg, rt: Runtime) -> None:
 
 # --------------------------------------------------------------- what task=distill declares (speedllm.planner.spec)
 
-def _fraction(v) -> bool:
-    return 0 <= v <= 1
-
-
 VALUES = {
-    "distill.beta": (_fraction, "in [0, 1]"),
-    "distill.temperature": ((lambda v: v > 0), "> 0"),
-    "distill.ce_weight": (_fraction, "in [0, 1]"),
-    "distill.on_policy": (_fraction, "in [0, 1]"),
-    "distill.top_k": ((lambda v: v >= 1), ">= 1"),  # null: the teacher's whole distribution
+    "distill.beta": (fraction, "in [0, 1]"),
+    "distill.temperature": above(0),
+    "distill.ce_weight": (fraction, "in [0, 1]"),
+    "distill.on_policy": (fraction, "in [0, 1]"),
+    "distill.top_k": at_least(1),  # null: the teacher's whole distribution
 }
 
 

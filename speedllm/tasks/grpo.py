@@ -46,7 +46,7 @@ from speedllm.models.moe import replay_routes
 from speedllm.models.rope import max_positions
 from speedllm.parallel.rules import grpo_layout_errors
 from speedllm.planner.frozen import rollout_cache_bytes, teacher_bytes
-from speedllm.planner.spec import TaskSpec
+from speedllm.planner.spec import TaskSpec, above, at_least
 from speedllm.planner.timing import decode_seconds, forward_seconds
 from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.build import build_training, frozen_reference, training_loop
@@ -408,22 +408,18 @@ def run(cfg, rt: Runtime) -> None:
 
 # ------------------------------------------------------------------ what task=grpo declares (speedllm.planner.spec)
 
-def _at_least(low: int):
-    return (lambda v: v >= low), f">= {low}"
-
-
 VALUES = {
     "rl.group_size": ((lambda v: v >= 2), ">= 2 (with 1 every advantage would be zero: a reward minus the mean of "
                                           "its own group)"),
-    **{f"rl.{k}": _at_least(1) for k in ("prompts_per_step", "max_new_tokens", "ppo_epochs", "mini_batches")},
-    **{f"rl.{k}": _at_least(0) for k in ("overlong_buffer", "max_resample", "kl_coef", "clip_high",
+    **{f"rl.{k}": at_least(1) for k in ("prompts_per_step", "max_new_tokens", "ppo_epochs", "mini_batches")},
+    **{f"rl.{k}": at_least(0) for k in ("overlong_buffer", "max_resample", "kl_coef", "clip_high",
                                          "overlong_penalty", "max_turns")},
-    "rl.temperature": ((lambda v: v > 0), "> 0"),
+    "rl.temperature": above(0),
     "rl.top_p": ((lambda v: 0 < v <= 1), "in (0, 1]"),
     "rl.clip_low": ((lambda v: 0 <= v < 1), "in [0, 1)"),
-    "rl.rollout_correction_threshold": ((lambda v: v > 1), "> 1"),
-    "rl.tool_timeout_s": ((lambda v: v > 0), "> 0"),
-    "rl.tool_max_chars": ((lambda v: v > 0), "> 0"),
+    "rl.rollout_correction_threshold": above(1),
+    "rl.tool_timeout_s": above(0),
+    "rl.tool_max_chars": above(0),
 }
 
 
@@ -483,7 +479,7 @@ def workload(run) -> tuple:
     """A step trains on every completion: rl.prompts_per_step x rl.group_size rows of the longest prompt plus
     rl.max_new_tokens (the rollout left-pads its prompts to the widest and samples up to max_new_tokens)."""
     if run.data.input is None:
-        read_prompts(run)  # its one line
+        read_prompts(run)  # raises its one line
     files = tuple((path, os.stat(path).st_mtime_ns) for path in expand_inputs(run.data.input))
     longest = _longest_prompt(files, str(run.data.tokenizer), run.data.trust_remote_code,
                               max_positions(run.model), run.rl.max_new_tokens)
@@ -515,8 +511,9 @@ def memory(run, frozen, rank) -> dict:
     m, lay = run.model, rank.layout
     rows = run.rl.prompts_per_step * run.rl.group_size
     e = DTYPES[rank.hardware.dtype].itemsize
-    columns = lay.micro_batch * run.rl.max_new_tokens * m.vocab_size
-    out = {"rollout": rollout_cache_bytes(m, lay, rows, rank.seq_len, rank.hardware.dtype), "logits": columns * (e + 3 * 4)}
+    # the logits in the compute dtype, then float32: their scaled copy, the log-softmax (kept) and its gradient
+    logits = lay.micro_batch * run.rl.max_new_tokens * m.vocab_size * (e + 3 * 4)
+    out = {"rollout": rollout_cache_bytes(m, lay, rows, rank.seq_len, rank.hardware.dtype), "logits": logits}
     if frozen is not None:
         out["teacher"] = teacher_bytes(frozen, lay, rank.hardware.dtype)
     return out

@@ -34,7 +34,7 @@ from speedllm.generation.load import DTYPES, load_model
 from speedllm.generation.sampling import Sampling
 from speedllm.models.kv_cache import cache_bytes, cache_shape
 from speedllm.models.rope import max_positions
-from speedllm.planner.spec import INFERENCE
+from speedllm.planner.spec import INFERENCE, at_least
 from speedllm.runtime import Runtime
 
 
@@ -460,10 +460,10 @@ def extras(run):
 
 VALUES = {
     "serve.port": ((lambda v: 1 <= v <= 65535), "in 1..65535"),
-    "serve.max_batch": ((lambda v: v >= 1), ">= 1"),
-    "serve.max_queue": ((lambda v: v >= 1), ">= 1"),
+    "serve.max_batch": at_least(1),
+    "serve.max_queue": at_least(1),
     "serve.max_len": ((lambda v: v >= 2), ">= 2 (prompt + completion tokens per request)"),
-    "serve.max_body_bytes": ((lambda v: v >= 1024), ">= 1024"),
+    "serve.max_body_bytes": at_least(1024),
     "serve.read_timeout": ((lambda v: v > 0), "> 0 (seconds)"),
 }
 
