@@ -18,7 +18,7 @@ from speedllm.parallel.rules import OFFLOAD, PP_SCHEDULES, divisors, sequence_er
 from speedllm.paths import CONF
 from speedllm.planner.spec import above, at_least, fraction
 from speedllm.quant import QUANT_NAMES
-from speedllm.tasks import task_spec
+from speedllm.tasks import planned_spec, task_spec
 from speedllm.train.distill_loss import LOSSES
 from speedllm.train.muon import ADJUST_LR_FNS, NS_DTYPES
 from speedllm.train.schedule import SCHEDULES
@@ -90,14 +90,14 @@ def hybrid_model_errors(m) -> list:
 # own keys are in its SPEC (speedllm.planner.spec.TaskSpec.values)
 VALUE_RULES = {
     **{f"model.{k}": at_least(1) for k in ("vocab_size", "hidden_size", "num_hidden_layers",
-                                            "num_attention_heads", "num_key_value_heads", "head_dim",
-                                            "max_position_embeddings")},
+                                           "num_attention_heads", "num_key_value_heads", "head_dim",
+                                           "max_position_embeddings")},
     "model.intermediate_size": at_least(0),  # 0: no dense MLP (every layer MoE); checked with the layers below
     "model.rope_theta": above(0),
     "model.rms_norm_eps": above(0),
     "model.num_experts": at_least(0),
     **{f"train.{k}": at_least(1) for k in ("steps", "seq_len", "micro_batch_size", "global_batch_size", "log_every",
-                                            "eval_steps", "max_bad_steps")},
+                                           "eval_steps", "max_bad_steps")},
     # loss_chunk_size 0: chunks by the logits budget (speedllm.ops.loss.chunk_rows)
     **{f"train.{k}": at_least(0) for k in ("eval_every", "grad_clip", "stop_after", "loss_chunk_size")},
     "optim.lr": above(0),
@@ -188,9 +188,9 @@ def check_dtype(cfg: DictConfig) -> None:
 
 
 def check_values(cfg: DictConfig) -> None:
-    """Each value on its own (the shared table, then the task's): in range, finite; then the few rules between two
-    keys of one group."""
-    for key, (ok, must_be) in {**VALUE_RULES, **task_spec(cfg.task.name).values}.items():
+    """Each value on its own (the shared table, then the task's and, for task=plan, the planned task's): in range,
+    finite; then the few rules between two keys of one group."""
+    for key, (ok, must_be) in {**VALUE_RULES, **task_spec(cfg.task.name).values, **planned_spec(cfg).values}.items():
         value = OmegaConf.select(cfg, key)
         if value is None:  # an optimizer without this argument
             continue
