@@ -309,3 +309,17 @@ def test_every_task_file_has_the_spec_its_module_declares():
     for path in sorted((CONF / "task").glob("*.yaml")):
         task = OmegaConf.load(path).task
         assert task_spec(path.stem).inference == bool(task.get("inference", False)), path.stem
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["plan.task=grpo", "rl.mini_batches=0"], "rl.mini_batches=0 must be >= 1; set rl.mini_batches to such a value"),
+    (["plan.task=plan"], "plan.task=plan is not a task to plan; use one of "),
+])
+def test_task_plan_checks_the_planned_tasks_values(overrides, message):
+    """task=plan reads plan.task's SPEC: its value rules hold before the planner divides by them."""
+    from speedllm.config.validate import validate_values
+    from speedllm.errors import UserError
+
+    with pytest.raises(UserError) as e:
+        validate_values(compose_config("task=plan", "data=rl_demo", *overrides))
+    assert str(e.value).startswith(message)
