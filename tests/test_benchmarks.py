@@ -24,6 +24,7 @@ HEADERS = {
     "generate": "| metric | transformers | speedllm | ratio | same ids |",
     "gpu": "| decode | qwen3_0.6b, float32, batch 8",
     "grpo": "ours / trl: steps/s",
+    "grpo_memory": "| prompts x group | new tokens | measured MiB | planner MiB |",
     "hybrid": "| dtype | params | transformers tokens/s | ours tokens/s | ratio |",
     "init": "peak RSS MiB",
     "model": "ours/transformers: tokens/s",

@@ -245,6 +245,7 @@ def test_planner_counts_the_teacher(models):
     from speedllm.config import compose_config
     from speedllm.planner.layout import Layout
     from speedllm.planner.search import Planner, problem_from_config
+    from speedllm.tasks import task_spec
 
     teacher = AutoModelForCausalLM.from_pretrained(models[0])
     weights = sum(p.numel() for p in teacher.parameters())  # the tied embedding once
@@ -252,7 +253,8 @@ def test_planner_counts_the_teacher(models):
     norm = teacher.model.norm.weight.numel()
     run = ["hardware=cpu", "hardware.dtype=float32", "model=qwen3_tiny"]  # fp32: the gathered root's bytes below
     plain = Planner(problem_from_config(compose_config(*run), 2))
-    distill = Planner(problem_from_config(compose_config(*run, "task=distill", f"distill.teacher={models[0]}"), 2))
+    distill = Planner(problem_from_config(compose_config(*run, "task=distill", f"distill.teacher={models[0]}"), 2,
+                                          task_spec("distill")))
     for layout, expected in ((Layout(dp=1), 4 * weights), (Layout(dp=2), 4 * weights / 2 + 4 * (embedding + norm))):
         (with_teacher,), (without,) = distill.rank_memories(layout), plain.rank_memories(layout)
         assert with_teacher.teacher == expected
@@ -265,6 +267,7 @@ def test_int8_teacher_equals_torchao_int8_weight_only(models, tmp_path, launch):
     task=dryrun count its projections at one byte a weight (plus a scale a row), and shard-free layouts only."""
     import json
     from dataclasses import replace
+    from types import SimpleNamespace
 
     from test_train_loop import TINY
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
@@ -275,6 +278,7 @@ def test_int8_teacher_equals_torchao_int8_weight_only(models, tmp_path, launch):
     from speedllm.models.config import PROJECTIONS
     from speedllm.planner.layout import Layout
     from speedllm.planner.search import Planner, problem_from_config
+    from speedllm.tasks import task_spec
 
     teacher_dir, student_dir = models
     run = [o for o in TINY if not o.startswith("model")]
@@ -300,14 +304,17 @@ def test_int8_teacher_equals_torchao_int8_weight_only(models, tmp_path, launch):
 
     expected = 4 * sum(full) - sum(3 * o * i - 4 * o for o, i in projections)
     problem = problem_from_config(compose_config("hardware=cpu", "hardware.dtype=float32", "task=distill",
-                                                 f"distill.teacher={teacher_dir}", "distill.teacher_quant=int8_wo"), 2)
+                                                 f"distill.teacher={teacher_dir}", "distill.teacher_quant=int8_wo"), 2,
+                                  task_spec("distill"))
     planner = Planner(problem)
     (memory,) = planner.rank_memories(Layout(dp=1))
     assert memory.teacher == expected
     assert "quantizes a whole teacher" in planner.invalid_reason(Layout(tp=2))
     assert "quantizes a whole teacher" in planner.invalid_reason(Layout(dp=2))
     assert planner.invalid_reason(Layout(dp=2, fsdp=False)) is None
-    replicated = Planner(replace(problem, teacher_parallel="replicate"))  # the student under FSDP2, the teacher whole
+    # the student under FSDP2, the teacher whole
+    run = SimpleNamespace(**{**vars(problem.run), "distill": replace(problem.run.distill, teacher_parallel="replicate")})
+    replicated = Planner(replace(problem, run=run))
     assert replicated.invalid_reason(Layout(dp=2)) is None
     assert "distill.teacher_parallel=replicate keeps the teacher whole" in replicated.invalid_reason(Layout(tp=2))
     (memory,) = replicated.rank_memories(Layout(dp=2))

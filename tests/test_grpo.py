@@ -123,27 +123,32 @@ def test_group_advantages_are_trl_s():
 @pytest.mark.parametrize("layout", [dict(dp=1), dict(dp=2), dict(tp=2)])
 def test_planner_counts_the_rollout_cache_and_the_reference(layout):
     """task=grpo's plan: a rank's sampling phase holds the KV cache the rollout allocates (new_cache for its share
-    of prompts_per_step x group_size rows of train.seq_len tokens) and, with rl.kl_coef, the frozen reference copy
-    of the weights; task=pretrain's plan has neither."""
+    of prompts_per_step x group_size rows of the longest prompt plus rl.max_new_tokens) and, with rl.kl_coef, the
+    frozen reference copy of the weights; task=pretrain's plan has neither."""
     from speedllm.config import compose_config
+    from speedllm.data.prompts import load_prompts
+    from speedllm.data.tokenizer import load_tokenizer
     from speedllm.generation.engine import new_cache
     from speedllm.planner.layout import Layout
     from speedllm.planner.search import Planner, problem_from_config
+    from speedllm.tasks import task_spec
 
-    run = ["hardware=cpu", "hardware.dtype=float32", "model=qwen3_tiny", "train.seq_len=96", "rl.prompts_per_step=6",
-           "rl.group_size=4"]
+    run = ["hardware=cpu", "hardware.dtype=float32", "model=qwen3_tiny", "rl.prompts_per_step=6", "rl.group_size=4"]
     world = max(layout.values())
     grpo = compose_config("task=grpo", "rl.kl_coef=0.05", *run)
-    (memory,) = Planner(problem_from_config(grpo, world)).rank_memories(Layout(**layout))
+    planner = Planner(problem_from_config(grpo, world, task_spec("grpo")))
+    (memory,) = planner.rank_memories(Layout(**layout, micro_batch=24 // layout.get("dp", 1)))
     (plain,) = Planner(problem_from_config(compose_config(*run), world)).rank_memories(Layout(**layout))
-    cache = new_cache(grpo.model, 24 // layout.get("dp", 1), 96, torch.float32, "meta", layout.get("tp", 1))
+    prompts = load_prompts(grpo.data.input, load_tokenizer(grpo.data.tokenizer), 4096, grpo.rl.max_new_tokens)
+    length = max(len(ids) for ids in prompts.ids) + grpo.rl.max_new_tokens
+    assert (planner.p.seq_len, planner.p.global_batch) == (length, 24)
+    cache = new_cache(grpo.model, 24 // layout.get("dp", 1), length, torch.float32, "meta", layout.get("tp", 1))
     assert memory.rollout == (cache.k.nbytes + cache.v.nbytes) > 0 and plain.rollout == 0
     # the reference: the model's own fp32 weights, and under FSDP2 its root unit (embedding, final norm) gathered
     m = grpo.model
     root = 4 * (m.vocab_size * m.hidden_size + m.hidden_size) if layout.get("dp", 1) > 1 else 0
     assert memory.teacher == memory.params + root and plain.teacher == 0
-    assert memory.total == max(plain.total + memory.teacher, memory.params + memory.optimizer + memory.teacher
-                               + memory.rollout)
+    assert memory.sampling == memory.params + memory.optimizer + memory.teacher + memory.rollout
 
 
 def test_math_closeness_gives_partial_credit_by_distance():

@@ -103,7 +103,7 @@ def test_bad_prompts_and_settings_exit_2_before_launch(tmp_path, launch):
     no_prompt = write_jsonl(tmp_path / "q.jsonl", [{"prompt": "1 + 1 =", "answer": "2"}, {"question": "2 + 2 ="}])
     long = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "word " * 80, "answer": "1"}])
     cases = [
-        (["rl.group_size=1"], "rl.group_size=1: every advantage would be zero"),
+        (["rl.group_size=1"], "rl.group_size=1 must be >= 2 (with 1 every advantage would be zero"),
         ([f"data.input={no_prompt}"], f"{no_prompt}:2: no `prompt` field — task=grpo records need prompt"),
         ([f"data.input={long}", "model.max_position_embeddings=64"],
          f"{long}:1: the prompt is 82 tokens; with rl.max_new_tokens=6 it needs 88 positions, more than the "

@@ -1,6 +1,8 @@
 """The planner and validation share one rule set: `parallel=auto` builds exactly the layout the planner ranked
 first, and every layout `task=plan` ranks passes validation when set explicitly (speedllm.parallel.rules)."""
 
+from dataclasses import replace
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -179,3 +181,145 @@ def test_dualpipev_sets_its_own_vpp_and_says_it_runs_without_overlap(capsys):
     check_parallel(cfg)
     assert "DualPipeV: torch's ScheduleDualPipeV without an overlap function runs each paired forward and " \
            "backward one after the other" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------ every task
+
+TASKS = ("pretrain", "sft", "dpo", "grpo", "distill", "serve")
+# what each task needs to be composed: DPO's pairs (not read: validation's layout rules read no file), distill's
+# teacher (a config.json, written per test), a served checkpoint
+TASK_ARGS = {"dpo": ["data.input=pairs.jsonl"], "serve": ["checkpoint.load_hf=unused"],
+             "grpo": ["rl.prompts_per_step=16"]}  # 16 data-parallel ranks sample a prompt each
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    """An HF directory holding qwen3_0.6b's config.json: a teacher with the Qwen3 vocabulary of every big model."""
+    from speedllm.models.hf_adapter import hf_config
+
+    path = tmp_path_factory.mktemp("teacher")
+    hf_config(compose_config("model=qwen3_0.6b").model).save_pretrained(path)
+    return path
+
+
+def check_task_plan(task, model, hardware, world, seq_len, batch, teacher_dir):
+    """Every layout the planner ranks for `task` (what task=plan plan.task=<task> prints, all rows) and what
+    parallel=auto writes into the config pass the task's layout validation (its SPEC's rules included); where none
+    fits, parallel=auto says so in one line. Returns the layouts checked."""
+    from speedllm.config.validate import check_world, validate_layout
+    from speedllm.errors import UserError
+    from speedllm.planner.layout import apply_layout
+    from speedllm.tasks import task_spec
+
+    extra = TASK_ARGS.get(task, []) + ([f"distill.teacher={teacher_dir}"] if task == "distill" else [])
+    cfg = compose_config(f"task={task}", "parallel=auto", "run_dir=/unused", f"model={model}",
+                         f"hardware={hardware}", f"launcher.nproc_per_node={world}", f"train.seq_len={seq_len}",
+                         f"train.global_batch_size={batch}", *extra)
+    spec = task_spec(task)
+    planner = Planner(problem_from_config(cfg, world, spec))
+    ranked = [e for e in [planner.inference_layout()] if e is not None] if spec.inference else \
+        planner.search().fitting
+    explicit = OmegaConf.to_object(cfg)
+    for est in ranked:
+        apply_layout(est.layout, explicit.parallel, None if spec.inference else explicit.train,
+                     uneven(planner.split(est.layout)))
+        validate_layout(explicit, world)
+        check_world(explicit, world)
+    OmegaConf.set_struct(cfg, False)
+    if not ranked:
+        with pytest.raises(UserError, match="^parallel=auto: no layout of ") as e:
+            choose_layout(cfg)
+        assert "\n" not in str(e.value)
+        return []
+    choose_layout(cfg)
+    validate_layout(cfg, world)
+    check_world(cfg, world)
+    assert layout_from_config(cfg.parallel, cfg.train if not spec.inference else explicit.train) == \
+        replace(ranked[0].layout, **({} if not spec.inference else {"micro_batch": explicit.train.micro_batch_size}))
+    return [est.layout for est in ranked]
+
+
+def test_every_task_plans_only_layouts_it_accepts(teacher_dir):
+    """Random draws of model (dense, MoE, hybrid) x hardware x world size x sequence and batch, each planned for
+    every task: every ranked layout and parallel=auto's pick validate for that task."""
+    import random
+
+    rng = random.Random(46)
+    dense, moe = ["qwen3_0.6b", "qwen3_8b", "qwen3_14b", "qwen3_5_9b"], ["qwen3_30b_a3b", "qwen3_5_35b_a3b"]
+    draws = [(rng.choice(models), rng.choice(["h100", "h200", "npu_a2"]), rng.choice([2, 8, 16]),
+              rng.choice([2048, 4096]), rng.choice([32, 64, 128])) for models in (dense, moe, dense, moe)]
+    checked = {}
+    for draw in draws:
+        for task in TASKS:
+            checked[(task, *draw)] = len(check_task_plan(task, *draw, teacher_dir))
+    print(checked)
+    for task in TASKS:  # each task has plans that fit, and they validate
+        assert sum(n for key, n in checked.items() if key[0] == task), task
+    assert sum(checked.values()) > 100
+
+
+@pytest.mark.parametrize("model", ["qwen3_8b", "qwen3_30b_a3b"])
+@pytest.mark.parametrize("world", [8, 16])
+@pytest.mark.parametrize("task", ["grpo", "dpo"])
+def test_parallel_auto_picks_a_layout_grpo_and_dpo_run(model, world, task, teacher_dir, capsys):
+    """The cases that announced a pipeline layout and then refused it: now parallel=auto picks one without pipeline
+    stages, which validation accepts."""
+    layouts = check_task_plan(task, model, "h100", world, 4096, 64, teacher_dir)
+    assert all(lay.pp == 1 for lay in layouts) and "parallel=auto: tp" in capsys.readouterr().out
+
+
+def test_parallel_auto_says_in_one_line_that_no_layout_passes_the_tasks_rules():
+    """qwen3_30b_a3b (4 kv heads, router replay refusing tp) on 16 devices leaves dp=16, which 8 prompts per step
+    cannot feed: one line naming rl.prompts_per_step, not a layout that validation then refuses."""
+    from speedllm.errors import UserError
+
+    cfg = compose_config("task=grpo", "parallel=auto", "model=qwen3_30b_a3b", "hardware=h100",
+                         "launcher.nproc_per_node=16", "rl.prompts_per_step=8")
+    OmegaConf.set_struct(cfg, False)
+    with pytest.raises(UserError, match=r"^parallel=auto: no layout of model qwen3_30b_a3b on 16 x h100 passes the "
+                                        r"rules of task=grpo \(.*rl.prompts_per_step=8 must be divisible by "
+                                        r"parallel.dp=16") as e:
+        choose_layout(cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_dpo_plan_counts_both_replies_of_a_pair_and_the_reference():
+    """task=dpo's micro-batch of B pairs runs 2B rows through the model (tasks/dpo.py: [B, 2, S] -> [R, S]), all
+    kept for one backward: the plan's activations are pretraining's at twice the micro-batch; with full fine-tuning
+    the frozen reference holds the model's fp32 weights again (under FSDP2 its root unit gathered)."""
+    from speedllm.planner.layout import Layout
+    from speedllm.tasks import task_spec
+
+    base = ("model=qwen3_0.6b", "hardware=h100", "train.seq_len=2048", "train.global_batch_size=16")
+    dpo = Planner(problem_from_config(compose_config("task=dpo", *base), 2, task_spec("dpo")))
+    plain = Planner(problem_from_config(compose_config(*base), 2))
+    (pairs,), (rows,) = dpo.rank_memories(Layout(dp=2, micro_batch=2)), plain.rank_memories(Layout(dp=2, micro_batch=4))
+    m = dpo.p.model
+    root = 2 * (m.vocab_size * m.hidden_size + m.hidden_size)  # bf16, gathered while the loss reads it
+    assert pairs.activations == rows.activations > 0
+    assert pairs.teacher == pairs.params + root and rows.teacher == 0
+
+
+def test_every_task_file_has_the_spec_its_module_declares():
+    """Each conf/task file's module has a SPEC (or trains as pretraining does) that agrees with the file on whether
+    the task runs a trained model (planning reads the one, validation and the runtime the other)."""
+    from speedllm.paths import CONF
+    from speedllm.tasks import task_spec
+
+    for path in sorted((CONF / "task").glob("*.yaml")):
+        task = OmegaConf.load(path).task
+        assert task_spec(path.stem).inference == bool(task.get("inference", False)), path.stem
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["plan.task=grpo", "rl.mini_batches=0"], "rl.mini_batches=0 must be >= 1; set rl.mini_batches to such a value"),
+    (["plan.task=plan"], "plan.task=plan is not a task to plan; use one of "),
+])
+def test_task_plan_checks_the_planned_tasks_values(overrides, message):
+    """task=plan reads plan.task's SPEC: its value rules hold before the planner divides by them."""
+    from speedllm.config.validate import validate_values
+    from speedllm.errors import UserError
+
+    with pytest.raises(UserError) as e:
+        validate_values(compose_config("task=plan", "data=rl_demo", *overrides))
+    assert str(e.value).startswith(message)

@@ -1,5 +1,6 @@
 """Layout rules: the task, optimizer, parallel layout, batch, quantization and adapters (no files, devices or
-network). Every layout task=plan ranks passes them when set explicitly (tests/test_plan_rules.py).
+network); a task's own layout rules come from its SPEC (speedllm.planner.spec). Every layout task=plan ranks passes
+them when set explicitly (tests/test_plan_rules.py).
 """
 
 from omegaconf import DictConfig
@@ -9,7 +10,6 @@ from speedllm.errors import UserError
 from speedllm.parallel.rules import (
     batch_errors,
     compile_errors,
-    inference_layout_errors,
     layout_errors,
     offload_errors,
     optimizer_layout_errors,
@@ -17,23 +17,21 @@ from speedllm.parallel.rules import (
     qlora_layout_errors,
     sequence_errors,
 )
+from speedllm.planner.layout import layout_from_config
 from speedllm.quant import FLOAT8_RECIPES, TRAINING
+from speedllm.tasks import task_spec
 
 
 def check_parallel(cfg: DictConfig) -> None:
-    p = cfg.parallel
+    """The model under the layout, the training levers, and the task's own layout rules (its SPEC)."""
+    p, spec = cfg.parallel, task_spec(cfg.task.name)
     errors = layout_errors(cfg.model, tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, cp=p.cp, dp=p.dp,
                            schedule=p.pp_schedule, pp_layers=p.pp_layers, cp_mode=p.cp_mode,
                            cp_ulysses=p.cp_ulysses, sequence_parallel=p.sequence_parallel or cfg.task.inference)
-    if cfg.task.inference:
-        errors += inference_layout_errors(cfg.task.name, pp=p.pp, cp=p.cp, ep=p.ep)
-        if p.offload != "none" or cfg.train.activation_offload:
-            errors.append(f"task={cfg.task.name} runs a trained model: parallel.offload={p.offload} and "
-                          f"train.activation_offload={cfg.train.activation_offload} are training levers; leave them "
-                          "at none / false")
-    else:
+    if not cfg.task.inference:
         errors += offload_errors(p.offload, fsdp=p.fsdp, finetune=cfg.finetune.name, optimizer=cfg.optim._target_)
         errors += compile_errors(compile_=cfg.train.compile, pp=p.pp, schedule=p.pp_schedule)
+    errors += spec.layout_errors(cfg, layout_from_config(p, cfg.train), spec.frozen_model(cfg))
     if errors:
         raise UserError(errors[0])
 
@@ -57,15 +55,14 @@ def check_task(cfg: DictConfig, world_size: int) -> None:
 
 
 def check_batch(cfg: DictConfig) -> None:
+    """The train.* batch and sequence under the layout, for the tasks that step over them (TaskSpec.train_batches)."""
     t, p = cfg.train, cfg.parallel
-    errors = [] if cfg.task.name == "dryrun" else batch_errors(  # a dry run builds the ranks, not a step's batch
-        global_batch=t.global_batch_size, micro_batch=t.micro_batch_size, dp=p.dp)
-    if not cfg.task.inference:  # inference has no training sequence or step
-        if cfg.task.name not in ("dryrun", "plan"):  # task=plan says why your layout is not costed
-            errors += pipeline_batch_errors(pp=p.pp, vpp=p.vpp, schedule=p.pp_schedule,
-                                            pp_microbatches=p.pp_microbatches, global_batch=t.global_batch_size,
-                                            micro_batch=t.micro_batch_size, dp=p.dp)
-        errors += sequence_errors(cfg.model, t.seq_len, tp=p.tp, cp=p.cp, sequence_parallel=p.sequence_parallel)
+    if not task_spec(cfg.task.name).train_batches:
+        return
+    errors = batch_errors(global_batch=t.global_batch_size, micro_batch=t.micro_batch_size, dp=p.dp)
+    errors += pipeline_batch_errors(pp=p.pp, vpp=p.vpp, schedule=p.pp_schedule, pp_microbatches=p.pp_microbatches,
+                                    global_batch=t.global_batch_size, micro_batch=t.micro_batch_size, dp=p.dp)
+    errors += sequence_errors(cfg.model, t.seq_len, tp=p.tp, cp=p.cp, sequence_parallel=p.sequence_parallel)
     if errors:
         raise UserError(errors[0])
 
@@ -103,17 +100,8 @@ def check_quant(cfg: DictConfig) -> None:
 
 
 def check_finetune(cfg: DictConfig) -> None:
-    """finetune=lora|qlora settings, a PEFT adapter to start from, and DPO's data and layout."""
-    ft, p, task = cfg.finetune, cfg.parallel, cfg.task.name
-    if task == "dpo":
-        if cfg.data.format != "pairs":
-            raise UserError(f"task=dpo needs preference pairs; set data.format=pairs (now {cfg.data.format})")
-        if cfg.data.input is None:
-            raise UserError("task=dpo needs data.input=<json/jsonl of prompt/chosen/rejected pairs>")
-        if p.pp > 1:
-            raise UserError(f"task=dpo does not run on pipeline stages (parallel.pp={p.pp}); use parallel.pp=1")
-    elif cfg.data.format == "pairs" and task in ("pretrain", "sft", "distill"):
-        raise UserError(f"data.format=pairs holds preference pairs for task=dpo, not task={task}; use task=dpo")
+    """finetune=lora|qlora settings and a PEFT adapter to start from."""
+    ft = cfg.finetune
     if ft.name == "full":
         if ft.adapter is not None:
             raise UserError(f"finetune.adapter={ft.adapter} needs adapters to load into; add finetune=lora")

@@ -148,16 +148,22 @@ def choose_layout(cfg: DictConfig) -> None:
     from speedllm.planner.layout import apply_layout, uneven
     from speedllm.planner.memory import GIB
     from speedllm.planner.search import Planner, problem_from_config
+    from speedllm.tasks import planned_spec
 
     world = device_count(cfg)
-    planner = Planner(problem_from_config(cfg, world))
-    train = not cfg.task.inference
-    best = planner.search().best if train else planner.inference_layout(cfg.generate.batch_size,
-                                                                         cfg.generate.max_new_tokens)
+    spec = planned_spec(cfg)
+    planner = Planner(problem_from_config(cfg, world, spec))
+    train = not spec.inference
+    result = planner.search() if train else None
+    best = result.best if train else planner.inference_layout()
+    where = f"model {cfg.model.name} on {world} x {cfg.hardware.name}"
+    if train and not result.fitting and not result.too_big and result.invalid:  # the task's rules refuse them all
+        reasons = sorted(result.invalid, key=result.invalid.get, reverse=True)[:3]
+        raise UserError(f"parallel=auto: no layout of {where} passes the rules of task={cfg.task.name} ("
+                        f"{'; '.join(reasons)}); change the settings they name or the device count")
     if best is None:
-        raise UserError(f"parallel=auto: no layout of model {cfg.model.name} fits on {world} x {cfg.hardware.name} "
-                        f"(memory_gb={cfg.hardware.memory_gb}); add devices (launcher.nnodes / "
-                        f"launcher.nproc_per_node) or lower train.seq_len, train.global_batch_size"
+        raise UserError(f"parallel=auto: no layout of {where} fits (memory_gb={cfg.hardware.memory_gb}); add devices "
+                        f"(launcher.nnodes / launcher.nproc_per_node) or lower {spec.workload_keys}"
                         + ("" if cfg.plan.allow_offload or not train else ", or allow offload (plan.allow_offload=true)"))
     lay = best.layout
     apply_layout(lay, cfg.parallel, None if not train else cfg.train, uneven(planner.split(lay)))

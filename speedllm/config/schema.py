@@ -356,6 +356,8 @@ class PlanConfig:
     memory_margin: float = 0.1  # fraction of device memory the planner leaves for runtime and fragmentation
     # let the search offload to host memory (parallel.offload, train.activation_offload) when nothing fits without
     allow_offload: bool = True
+    # the task task=plan (and task=dryrun's parallel=auto) plans for: its layout rules, memory and step
+    task: str = "pretrain"
 
 
 @dataclass

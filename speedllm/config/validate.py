@@ -8,14 +8,7 @@ from omegaconf import DictConfig
 
 # the rules live by concern; their public names stay importable from here
 from speedllm.config.devices import check_device, check_rendezvous
-from speedllm.config.inputs import (
-    check_distill,
-    check_extras,
-    check_hf_model,
-    check_inputs,
-    check_paths,
-    check_rl,
-)
+from speedllm.config.inputs import check_extras, check_hf_model, check_inputs, check_paths
 from speedllm.config.layout import (
     check_batch,
     check_dryrun,
@@ -43,12 +36,13 @@ from speedllm.config.values import (
     hybrid_model_errors,
 )
 from speedllm.native import isa
+from speedllm.tasks import task_spec
 
 __all__ = [
     "CHOICES", "LORA_TARGETS", "VALUE_RULES", "WHOLE_LISTS", "check_batch", "check_choices", "check_device",
-    "check_distill", "check_dryrun", "check_dtype", "check_extras", "check_finetune", "check_hf_model",
+    "check_dryrun", "check_dtype", "check_extras", "check_finetune", "check_hf_model",
     "check_inference", "check_inputs", "check_known_keys", "check_model", "check_outputs", "check_parallel",
-    "check_paths", "check_qlora", "check_quant", "check_rendezvous", "check_rl", "check_task", "check_task_name",
+    "check_paths", "check_qlora", "check_quant", "check_rendezvous", "check_task", "check_task_name",
     "check_values", "check_world", "hybrid_model_errors", "validate", "validate_layout", "validate_values",
 ]
 
@@ -71,10 +65,7 @@ def validate(cfg: DictConfig, world_size: int, nproc_per_node: int) -> None:
     validate_values(cfg)
     check_extras(cfg)
     validate_layout(cfg, world_size)
-    if cfg.task.name == "grpo":  # these read their files (prompts, reward functions, the teacher)
-        check_rl(cfg)
-    if cfg.task.name == "distill":
-        check_distill(cfg)
+    task_spec(cfg.task.name).inputs(cfg)  # what the task reads (GRPO's prompts and rewards, distill's teacher)
     if cfg.task.name != "plan":
         isa()  # SPEEDLLM_CPU_ISA, where set, names a kernel path this CPU runs
         check_world(cfg, world_size)

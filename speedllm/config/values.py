@@ -16,7 +16,9 @@ from speedllm.models.qwen3 import is_moe_layer
 from speedllm.ops import IMPLEMENTATIONS
 from speedllm.parallel.rules import OFFLOAD, PP_SCHEDULES, divisors, sequence_errors
 from speedllm.paths import CONF
+from speedllm.planner.spec import above, at_least, fraction
 from speedllm.quant import QUANT_NAMES
+from speedllm.tasks import planned_spec, task_spec
 from speedllm.train.distill_loss import LOSSES
 from speedllm.train.muon import ADJUST_LR_FNS, NS_DTYPES
 from speedllm.train.schedule import SCHEDULES
@@ -56,18 +58,6 @@ CHOICES = {
 LORA_TARGETS = (*PROJECTIONS, "experts")
 
 
-def _at_least(low):
-    return (lambda v: v >= low), f">= {low}"
-
-
-def _above(low):
-    return (lambda v: v > low), f"> {low}"
-
-
-def _fraction(v) -> bool:
-    return 0 <= v <= 1
-
-
 def _finite(v) -> bool:
     return all(math.isfinite(x) for x in (v if isinstance(v, list) else [v]))
 
@@ -96,62 +86,48 @@ def hybrid_model_errors(m) -> list:
     return errors
 
 
-# key -> (test, what it must be): values a library would reject later, or that would silently do nothing.
+# key -> (test, what it must be): values a library would reject later, or that would silently do nothing; a task's
+# own keys are in its SPEC (speedllm.planner.spec.TaskSpec.values)
 VALUE_RULES = {
-    **{f"model.{k}": _at_least(1) for k in ("vocab_size", "hidden_size", "num_hidden_layers",
-                                            "num_attention_heads", "num_key_value_heads", "head_dim",
-                                            "max_position_embeddings")},
-    "model.intermediate_size": _at_least(0),  # 0: no dense MLP (every layer MoE); checked with the layers below
-    "model.rope_theta": _above(0),
-    "model.rms_norm_eps": _above(0),
-    "model.num_experts": _at_least(0),
-    **{f"train.{k}": _at_least(1) for k in ("steps", "seq_len", "micro_batch_size", "global_batch_size", "log_every",
-                                            "eval_steps", "max_bad_steps")},
+    **{f"model.{k}": at_least(1) for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                           "num_attention_heads", "num_key_value_heads", "head_dim",
+                                           "max_position_embeddings")},
+    "model.intermediate_size": at_least(0),  # 0: no dense MLP (every layer MoE); checked with the layers below
+    "model.rope_theta": above(0),
+    "model.rms_norm_eps": above(0),
+    "model.num_experts": at_least(0),
+    **{f"train.{k}": at_least(1) for k in ("steps", "seq_len", "micro_batch_size", "global_batch_size", "log_every",
+                                           "eval_steps", "max_bad_steps")},
     # loss_chunk_size 0: chunks by the logits budget (speedllm.ops.loss.chunk_rows)
-    **{f"train.{k}": _at_least(0) for k in ("eval_every", "grad_clip", "stop_after", "loss_chunk_size")},
-    "optim.lr": _above(0),
-    "optim.min_lr": _at_least(0),
-    "optim.weight_decay": _at_least(0),
-    "optim.eps": _at_least(0),
-    "optim.warmup_steps": _at_least(0),
-    "optim.decay_fraction": (_fraction, "in [0, 1]"),
+    **{f"train.{k}": at_least(0) for k in ("eval_every", "grad_clip", "stop_after", "loss_chunk_size")},
+    "optim.lr": above(0),
+    "optim.min_lr": at_least(0),
+    "optim.weight_decay": at_least(0),
+    "optim.eps": at_least(0),
+    "optim.warmup_steps": at_least(0),
+    "optim.decay_fraction": (fraction, "in [0, 1]"),
     "optim.betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two values in [0, 1), like [0.9,0.95]"),
     "optim.momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "optim.ns_steps": (lambda v: 1 <= v < 100, "in [1, 99]"),
     "optim.ns_coefficients": (lambda v: len(v) == 3, "three values a,b,c like [3.4445,-4.775,2.0315]"),
-    "optim.adamw_lr": _above(0),
-    "optim.adamw_weight_decay": _at_least(0),
-    "optim.adamw_eps": _at_least(0),
+    "optim.adamw_lr": above(0),
+    "optim.adamw_weight_decay": at_least(0),
+    "optim.adamw_eps": at_least(0),
     "optim.adamw_betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two values in [0, 1), like [0.9,0.95]"),
-    "checkpoint.every": _at_least(0),
-    "launcher.nnodes": _at_least(1),
-    "launcher.nproc_per_node": _at_least(0),
-    "launcher.node_rank": _at_least(0),
-    "launcher.max_restarts": _at_least(0),
-    "launcher.monitor_interval": _above(0),
-    "launcher.rdzv_timeout": _above(0),
-    "data.workers": _at_least(1),
-    "data.loader_workers": _at_least(0),
-    "hardware.memory_gb": _above(0),
-    "plan.top": _at_least(1),
-    "plan.show_rejected": _at_least(0),
+    "checkpoint.every": at_least(0),
+    "launcher.nnodes": at_least(1),
+    "launcher.nproc_per_node": at_least(0),
+    "launcher.node_rank": at_least(0),
+    "launcher.max_restarts": at_least(0),
+    "launcher.monitor_interval": above(0),
+    "launcher.rdzv_timeout": above(0),
+    "data.workers": at_least(1),
+    "data.loader_workers": at_least(0),
+    "hardware.memory_gb": above(0),
+    "plan.top": at_least(1),
+    "plan.show_rejected": at_least(0),
     "plan.compute_efficiency": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "plan.memory_margin": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "distill.beta": (_fraction, "in [0, 1]"),
-    "distill.temperature": _above(0),
-    "distill.ce_weight": (_fraction, "in [0, 1]"),
-    "distill.on_policy": (_fraction, "in [0, 1]"),
-    "distill.top_k": _at_least(1),  # null: the teacher's whole distribution
-    "rl.temperature": _above(0),
-    "rl.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "rl.kl_coef": _at_least(0),
-    "rl.clip_low": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "rl.clip_high": _at_least(0),
-    "rl.overlong_penalty": _at_least(0),
-    "rl.rollout_correction_threshold": _above(1),
-    "rl.max_turns": _at_least(0),
-    "rl.tool_timeout_s": _above(0),
-    "rl.tool_max_chars": _above(0),
 }
 
 
@@ -192,6 +168,10 @@ def check_task_name(cfg: DictConfig) -> None:
     if cfg.task._target_ != target:
         raise UserError(f"task.name={name} but task._target_={cfg.task._target_} runs another task; choose the "
                         f"task with task={name}, not task.name")
+    if task_spec(name).plans is not None:  # task=plan, task=dryrun: the task they plan for
+        planned = [n for n in names if task_spec(n).plans is None]
+        if cfg.plan.task not in planned:
+            raise UserError(f"plan.task={cfg.plan.task} is not a task to plan; use one of {', '.join(planned)}")
 
 
 def check_dtype(cfg: DictConfig) -> None:
@@ -208,8 +188,9 @@ def check_dtype(cfg: DictConfig) -> None:
 
 
 def check_values(cfg: DictConfig) -> None:
-    """Each value on its own: in range, finite; then the few rules between two keys of one group."""
-    for key, (ok, must_be) in VALUE_RULES.items():
+    """Each value on its own (the shared table, then the task's and, for task=plan, the planned task's): in range,
+    finite; then the few rules between two keys of one group."""
+    for key, (ok, must_be) in {**VALUE_RULES, **task_spec(cfg.task.name).values, **planned_spec(cfg).values}.items():
         value = OmegaConf.select(cfg, key)
         if value is None:  # an optimizer without this argument
             continue
@@ -263,16 +244,6 @@ def check_inference(cfg: DictConfig) -> None:
         (cfg.evaluate.steps >= 1, f"evaluate.steps={cfg.evaluate.steps} must be >= 1"),
         (cfg.evaluate.batch_size >= 1, f"evaluate.batch_size={cfg.evaluate.batch_size} must be >= 1"),
     ]
-    s = cfg.serve
-    if cfg.task.name == "serve":
-        rules += [
-            (1 <= s.port <= 65535, f"serve.port={s.port} must be in 1..65535"),
-            (s.max_batch >= 1, f"serve.max_batch={s.max_batch} must be >= 1"),
-            (s.max_queue >= 1, f"serve.max_queue={s.max_queue} must be >= 1"),
-            (s.max_len >= 2, f"serve.max_len={s.max_len} must be >= 2 (prompt + completion tokens per request)"),
-            (s.max_body_bytes >= 1024, f"serve.max_body_bytes={s.max_body_bytes} must be >= 1024"),
-            (s.read_timeout > 0, f"serve.read_timeout={s.read_timeout} must be > 0 (seconds)"),
-        ]
     include = cfg.evaluate.include_path
     if cfg.task.name == "evaluate" and include is not None and not os.path.isdir(include):
         rules.append((False, f"evaluate.include_path={include} is not a directory; point it at a directory of "

@@ -224,6 +224,34 @@ def distill_layout_errors(*, pp: int, cp: int, tp: int, dp: int, fsdp: bool, tea
     return []
 
 
+def dpo_layout_errors(*, pp: int) -> List[str]:
+    """task=dpo scores a pair's two replies in one forward; it runs without pipeline stages."""
+    if pp > 1:
+        return [f"task=dpo does not run on pipeline stages (parallel.pp={pp}); use parallel.pp=1"]
+    return []
+
+
+def grpo_layout_errors(*, pp: int, cp: int, tp: int, dp: int, prompts_per_step: int, group_size: int,
+                       mini_batches: int, num_experts: int, router_replay) -> List[str]:
+    """task=grpo samples and trains on the same ranks: no pipeline stages or context parallelism; each data-parallel
+    rank samples its share of the prompts and splits its completions into rl.mini_batches; router replay (MoE, on
+    unless rl.router_replay=false) needs the tokens of a sequence on one rank, which tp's sequence shards are not."""
+    if pp > 1 or cp > 1:
+        return [f"task=grpo does not run on pipeline stages or context-parallel ranks (parallel.pp={pp}, "
+                f"parallel.cp={cp}); use parallel.pp=1 and parallel.cp=1 (tp, ep and dp split it)"]
+    if prompts_per_step % dp:
+        return [f"rl.prompts_per_step={prompts_per_step} must be divisible by parallel.dp={dp} (each data-parallel "
+                f"rank samples its share); use a multiple of {dp}"]
+    rows = prompts_per_step // dp * group_size
+    if rows % mini_batches:
+        return [f"rl.mini_batches={mini_batches} must divide the {rows} completions of a rank "
+                "(rl.prompts_per_step / parallel.dp x rl.group_size)"]
+    if num_experts and router_replay is not False and tp > 1:
+        return [f"rl.router_replay under parallel.tp={tp}: the MoE blocks route sequence shards; set "
+                "rl.router_replay=false or use expert parallelism (parallel.ep) instead of tp"]
+    return []
+
+
 def inference_layout_errors(task: str, *, pp: int, cp: int, ep: int) -> List[str]:
     """Inference places the model with tensor parallelism only; data-parallel ranks split the prompts."""
     if pp > 1 or cp > 1 or ep > 1:

@@ -42,6 +42,12 @@ class Memory:
     offloaded_per_layer: float = 0.0  # activation bytes one layer sends to the host per micro-batch
     teacher: float = 0.0  # a frozen model's weights on this rank (teacher_bytes): distill's teacher, grpo's reference
     rollout: float = 0.0  # task=grpo: the sampling KV cache of this rank's completions (rollout_cache_bytes)
+    logits: float = 0.0  # unchunked output logits a task's forward holds beside the activations (task=grpo's update)
+
+    @property
+    def task(self) -> float:
+        """What the task adds (its SPEC's memory): a frozen model, a rollout cache, unchunked logits."""
+        return self.teacher + self.rollout + self.logits
 
     @property
     def sampling(self) -> float:
@@ -51,7 +57,7 @@ class Memory:
     @property
     def forward_backward(self) -> float:
         live = max(self.activations, self.grad_accum + self.activations_with_grads)
-        return self.params + self.optimizer + self.buffers + live + self.teacher
+        return self.params + self.optimizer + self.buffers + live + self.teacher + self.logits
 
     @property
     def update(self) -> float:

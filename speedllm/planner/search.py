@@ -12,6 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import partial
 from itertools import product
+from types import SimpleNamespace
 from typing import Dict, List, Optional
 
 from omegaconf import OmegaConf
@@ -22,7 +23,6 @@ from speedllm.models.kv_cache import cache_bytes
 from speedllm.parallel.pipeline import stage_layers, stages_of_rank
 from speedllm.parallel.rules import (
     batch_errors,
-    distill_layout_errors,
     divisors,
     layout_errors,
     offload_errors,
@@ -42,10 +42,9 @@ from speedllm.planner.memory import (
     model_tensors,
     rank_memory,
     rank_params,
-    rollout_cache_bytes,
-    teacher_bytes,
     tp_facts,
 )
+from speedllm.planner.spec import TRAINING, Rank, TaskSpec
 from speedllm.planner.timing import StepTime, per_token, step_time
 from speedllm.train.optimizer import ns_dtype, state_numel
 
@@ -71,14 +70,11 @@ class Problem:
     memory_margin: float = 0.1
     optim: object = None  # OptimConfig fields; None: AdamW
     allow_offload: bool = True  # plan.allow_offload: offload to host memory when nothing fits without
-    # a frozen model held beside the trained one (ModelConfig fields): task=distill's teacher, or task=grpo's
-    # reference copy of the model (rl.kl_coef != 0 with full fine-tuning)
-    teacher: object = None
-    distill: bool = False  # task=distill: its layout rules (speedllm.parallel.rules.distill_layout_errors)
-    teacher_quant: str = "none"  # distill.teacher_quant
-    teacher_parallel: str = "same"  # distill.teacher_parallel
-    rollout_rows: int = 0  # task=grpo: completions sampled per step (rl.prompts_per_step x rl.group_size)
     finetune: str = "full"  # finetune.name
+    # the task planned for: its layout rules, the memory and time it adds (speedllm.planner.spec), and the run
+    # config its declarations read (None: the TRAINING defaults read nothing)
+    task: TaskSpec = TRAINING
+    run: object = None
 
     @property
     def optimizer(self) -> str:
@@ -137,6 +133,8 @@ class Planner:
         self._splits = {}
         self._imbalance = {}
         self.layer_flops = layer_flops(problem.model, problem.seq_len)
+        # the frozen model the task holds beside the trained one (a teacher, a reference), read once
+        self.frozen = None if problem.run is None else as_object(problem.task.frozen_model(problem.run))
 
     def split(self, layout: Layout, explicit=None) -> List[int]:
         """Layers per stage: `explicit` (parallel.pp_layers) or the run's own split by cost (stage_layers)."""
@@ -169,16 +167,19 @@ class Planner:
         p = self.p
         stages = self.rank_params(layout, self.split(layout, explicit_split))
         muon_bytes = DTYPES[self.muon[0]].itemsize if self.muon else 0
-        memories = [rank_memory(p.model, layout, sp, r, p.seq_len, p.global_batch, p.hardware.dtype, p.loss_chunk,
-                                self.tp_facts, p.hardware.ops, p.hardware.device, muon_bytes)
-                    for r, sp in enumerate(stages)]
-        for memory in memories:
-            if p.teacher is not None:
-                memory.teacher = teacher_bytes(p.teacher, layout, p.hardware.dtype, quant=p.teacher_quant,
-                                               whole=p.teacher_parallel == "replicate")
-            if p.rollout_rows:
-                memory.rollout = rollout_cache_bytes(p.model, layout, p.rollout_rows, p.seq_len, p.hardware.dtype)
-        return memories
+        k = p.task.rows_per_item
+        return [replace(rank_memory(p.model, self.rows(layout), sp, r, p.seq_len, p.global_batch * k,
+                                    p.hardware.dtype, p.loss_chunk, self.tp_facts, p.hardware.ops,
+                                    p.hardware.device, muon_bytes),
+                        **p.task.memory(p.run, self.frozen, self.rank(layout, sp)))
+                for r, sp in enumerate(stages)]
+
+    def rank(self, layout: Layout, sp) -> Rank:
+        return Rank(layout, sp, self.p.seq_len, self.p.hardware, self.p.efficiency)
+
+    def rows(self, layout: Layout) -> Layout:
+        """`layout` with its micro-batch in the model's rows (TaskSpec.rows_per_item: a DPO pair is two)."""
+        return replace(layout, micro_batch=layout.micro_batch * self.p.task.rows_per_item)
 
     def estimate(self, layout: Layout, explicit_split=None) -> Estimate:
         """Memory of the busiest rank and step time of `layout` (assumed structurally valid)."""
@@ -187,21 +188,23 @@ class Planner:
         stages = self.rank_params(layout, split)
         memory = max(self.rank_memories(layout, explicit_split), key=lambda mem: mem.total)
         busiest = max(stages, key=lambda sp: sp.gathered)
+        rows, batch = self.rows(layout), p.global_batch * p.task.rows_per_item  # in the model's rows
         selective = 0.0
         if layout.recompute == "selective":
             e = DTYPES[p.hardware.dtype].itemsize
-            kept = Layout(**{**layout.__dict__, "recompute": "none"})
+            kept = replace(rows, recompute="none")
             moe = m.num_experts > 0
             ops = p.hardware.ops
             selective = (layer_activation_bytes(m, kept, p.seq_len, e, moe, self.tp_facts, ops)
-                         - layer_activation_bytes(m, layout, p.seq_len, e, moe, self.tp_facts, ops))
+                         - layer_activation_bytes(m, rows, p.seq_len, e, moe, self.tp_facts, ops))
         measured = None
         if p.hardware.device == "cpu":  # this CPU (its profile is the probe's): time the model on it
-            measured = layer_and_rest_seconds(config_key(m), layout.micro_batch, p.seq_len, p.hardware.dtype,
+            measured = layer_and_rest_seconds(config_key(m), rows.micro_batch, p.seq_len, p.hardware.dtype,
                                               p.hardware.ops)
-        time = step_time(m, layout, p.hardware, busiest, p.seq_len, p.global_batch, p.efficiency, selective,
+        time = step_time(m, rows, p.hardware, busiest, p.seq_len, batch, p.efficiency, selective,
                          memory.offloaded_per_layer, self.muon, measured, self.pipeline_imbalance(layout, split))
-        tokens_per_s = p.global_batch * p.seq_len / time.total
+        time.task = p.task.extra_seconds(p.run, self.frozen, self.rank(layout, busiest))
+        tokens_per_s = batch * p.seq_len / time.total
         mfu = tokens_per_s * per_token(m, p.seq_len)[0] / (p.hardware.peak_tflops[p.hardware.dtype] * 1e12
                                                                  * layout.world)
         fits = memory.total <= p.capacity and memory.host <= p.host_capacity
@@ -221,15 +224,14 @@ class Planner:
         errors = layout_errors(m, tp=lay.tp, pp=lay.pp, vpp=lay.vpp, ep=lay.ep, cp=lay.cp, dp=lay.dp,
                                schedule=lay.schedule, pp_layers=uneven(self.split(lay)), cp_mode=lay.cp_mode,
                                sequence_parallel=lay.sequence_parallel)
-        errors += sequence_errors(m, p.seq_len, tp=lay.tp, cp=lay.cp, sequence_parallel=lay.sequence_parallel)
-        errors += batch_errors(global_batch=p.global_batch, micro_batch=lay.micro_batch, dp=lay.dp)
-        errors += pipeline_batch_errors(pp=lay.pp, vpp=lay.vpp, schedule=lay.schedule, pp_microbatches=0,
-                                        global_batch=p.global_batch, micro_batch=lay.micro_batch, dp=lay.dp)
+        if p.task.train_batches:
+            errors += sequence_errors(m, p.seq_len, tp=lay.tp, cp=lay.cp, sequence_parallel=lay.sequence_parallel)
+            errors += batch_errors(global_batch=p.global_batch, micro_batch=lay.micro_batch, dp=lay.dp)
+            errors += pipeline_batch_errors(pp=lay.pp, vpp=lay.vpp, schedule=lay.schedule, pp_microbatches=0,
+                                            global_batch=p.global_batch, micro_batch=lay.micro_batch, dp=lay.dp)
         errors += offload_errors(lay.offload, fsdp=lay.fsdp, finetune=p.finetune, optimizer=p.optimizer)
         errors += optimizer_layout_errors(p.optimizer, lay.world)
-        if p.distill:
-            errors += distill_layout_errors(pp=lay.pp, cp=lay.cp, tp=lay.tp, dp=lay.dp, fsdp=lay.fsdp,
-                                            teacher_quant=p.teacher_quant, teacher_parallel=p.teacher_parallel)
+        errors += p.task.layout_errors(p.run, lay, self.frozen)
         if p.finetune == "qlora":
             errors += qlora_layout_errors(tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, dp=lay.dp, fsdp=lay.fsdp)
         if lay.tp > p.hardware.devices_per_node:
@@ -248,22 +250,27 @@ class Planner:
                     # no stage without a layer: parallel.pp_layers could not say it
                     for vpp in [v for v in VIRTUAL_STAGES if pp * v <= m.num_hidden_layers] if pp > 1 else (1,):
                         schedule = "Interleaved1F1B" if vpp > 1 else "1F1B"
+                        # a task that fixes its micro-batch (task=grpo: a mini-batch of the rank's completions)
+                        micro = MICRO_BATCHES if self.p.task.micro_batch is None else \
+                            (self.p.task.micro_batch(self.p.run, dp),)
                         for ep in [x for x in experts if x <= dp * cp * tp]:
-                            for mb, recompute, cp_mode in product(MICRO_BATCHES, RECOMPUTE, CP_MODES[cp > 1]):
+                            for mb, recompute, cp_mode in product(micro, RECOMPUTE, CP_MODES[cp > 1]):
                                 yield Layout(dp=dp, tp=tp, pp=pp, vpp=vpp, ep=ep, cp=cp, cp_mode=cp_mode,
                                              micro_batch=mb, recompute=recompute, schedule=schedule)
 
-    def inference_layout(self, batch: int, new_tokens: int) -> Optional[Estimate]:
-        """Generation / evaluation: the fewest tensor-parallel ranks (inference places the model with tensor
-        parallelism only: speedllm.parallel.rules.inference_layout_errors) whose weights in the compute dtype and
-        KV cache for `batch` sequences of seq_len + `new_tokens` fit; the remaining devices replicate it (dp)."""
+    def inference_layout(self) -> Optional[Estimate]:
+        """Generation / serving: the fewest tensor-parallel ranks (inference places the model with tensor
+        parallelism only: speedllm.parallel.rules.inference_layout_errors) whose weights in the compute dtype, KV
+        cache and logits for the workload's global_batch sequences of seq_len tokens (its SPEC's: generate.batch_size
+        prompts plus generate.max_new_tokens, serve.max_batch slots of serve.max_len) fit; the remaining devices
+        replicate it (dp)."""
         m, p = self.p.model, self.p
         e = DTYPES[p.hardware.dtype].itemsize
-        length = p.seq_len + new_tokens
+        batch, length = p.global_batch, p.seq_len
         for tp in divisors(p.world):
             layout = Layout(dp=p.world // tp, tp=tp, micro_batch=batch, fsdp=False)
             if layout_errors(m, tp=tp, pp=1, vpp=1, ep=1, cp=1, dp=layout.dp, schedule=layout.schedule) \
-                    or tp > p.hardware.devices_per_node:
+                    or p.task.layout_errors(p.run, layout, self.frozen) or tp > p.hardware.devices_per_node:
                 continue
             split = self.split(layout)
             sp = max(self.rank_params(layout, split), key=lambda s: s.gathered)
@@ -313,25 +320,22 @@ def largest(memory: Memory) -> str:
     return ", ".join(f"{name} {value / GIB:.1f} GiB" for value, name in parts[:2])
 
 
-def problem_from_config(cfg, world: int) -> Problem:
-    """The planning problem a composed config describes, on `world` devices."""
-    return Problem(model=cfg.model, hardware=cfg.hardware, world=world, seq_len=cfg.train.seq_len,
-                   global_batch=cfg.train.global_batch_size, loss_chunk=cfg.train.loss_chunk_size,
-                   efficiency=cfg.plan.compute_efficiency, memory_margin=cfg.plan.memory_margin, optim=cfg.optim,
-                   allow_offload=cfg.plan.allow_offload, finetune=cfg.finetune.name, teacher=frozen_model(cfg),
-                   distill=cfg.task.name == "distill", teacher_quant=cfg.distill.teacher_quant,
-                   teacher_parallel=cfg.distill.teacher_parallel,
-                   rollout_rows=cfg.rl.prompts_per_step * cfg.rl.group_size if cfg.task.name == "grpo" else 0)
+def problem_from_config(cfg, world: int, task: TaskSpec = TRAINING) -> Problem:
+    """The planning problem a composed config describes for `task` (its module's SPEC), on `world` devices: the
+    step's tokens per sequence and sequences from the task's workload."""
+    run = plain_sections(cfg)
+    seq_len, global_batch = task.workload(run)
+    return Problem(model=cfg.model, hardware=cfg.hardware, world=world, seq_len=seq_len, global_batch=global_batch,
+                   loss_chunk=cfg.train.loss_chunk_size, efficiency=cfg.plan.compute_efficiency,
+                   memory_margin=cfg.plan.memory_margin, optim=cfg.optim, allow_offload=cfg.plan.allow_offload,
+                   finetune=cfg.finetune.name, task=task, run=run)
 
 
-def frozen_model(cfg):
-    """The frozen model a task holds beside the one it trains: task=distill's teacher (speedllm.train.teacher),
-    task=grpo's reference copy (with rl.kl_coef != 0 and full fine-tuning; LoRA turns its adapters off instead),
-    else None."""
-    if cfg.task.name == "grpo" and cfg.rl.kl_coef != 0 and cfg.finetune.name == "full":
-        return cfg.model
-    if cfg.task.name != "distill" or cfg.distill.teacher is None:
-        return None
-    from speedllm.train.teacher import teacher_source
-
-    return teacher_source(str(cfg.distill.teacher)).model
+def plain_sections(cfg):
+    """A composed config's sections as their schema dataclasses, which the search reads fast for every layout; a
+    typed run config as it is. run_dir and checkpoint (checkpoint.dir defaults under run_dir) stay config nodes:
+    their defaults need Hydra's app to resolve."""
+    if not OmegaConf.is_config(cfg):
+        return cfg
+    return SimpleNamespace(**{key: cfg._get_node(key) if key in ("run_dir", "checkpoint") else as_object(cfg[key])
+                              for key in cfg})

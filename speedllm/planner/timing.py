@@ -40,11 +40,12 @@ class StepTime:
     dp: float = 0.0  # exposed FSDP / data-parallel communication
     optimizer: float = 0.0
     offload: float = 0.0  # exposed host <-> device copies (parallel.offload, train.activation_offload)
+    task: float = 0.0  # the task's own work beyond the step (a rollout's decode, a teacher's forward: its SPEC)
 
     @property
     def total(self) -> float:
         return (self.compute + self.routing + self.recompute + self.bubble + self.tp + self.cp + self.ep + self.pp
-                + self.dp + self.optimizer + self.offload)
+                + self.dp + self.optimizer + self.offload + self.task)
 
 
 def link_bandwidth(hw, span: int) -> float:
@@ -209,3 +210,21 @@ def offload_time(layout: Layout, hw, sp: StageParams, t: StepTime, num_micro: in
         overlapped += 2 * offloaded_per_layer * layers * num_micro
     return waited / link + max(0.0, overlapped / link - t.compute)
 
+
+
+def forward_seconds(m, layout: Layout, hw, tokens: float, seq_len: int, efficiency: float) -> float:
+    """One forward of model `m` (no backward) over `tokens` tokens of `seq_len`, split over the layout's ranks: a
+    third of the training FLOPs (a frozen teacher's or reference's forward, a rollout's prefill)."""
+    rate = hw.peak_tflops[hw.dtype] * 1e12 * gemm_efficiency(layout, m, seq_len, efficiency)
+    return per_token(m, seq_len)[0] / 3 * tokens / layout.world / rate
+
+
+def decode_seconds(layout: Layout, hw, sp: StageParams, steps: int, cache_bytes: float) -> float:
+    """`steps` decode steps of one token per row (memory-bound): each reads the rank's weights in the compute dtype
+    and its KV cache, and under FSDP2 first all-gathers every layer over the data-parallel ranks."""
+    e = DTYPES[hw.dtype].itemsize
+    read = (sp.gathered * e + cache_bytes) / (hw.memory_bandwidth_gbps * 1e9)
+    gather = 0.0
+    if layout.fsdp and layout.dp > 1:
+        gather = sp.gathered * e * ring(layout.dp) / link_bandwidth(hw, layout.dp * layout.tp)
+    return steps * max(read, gather)

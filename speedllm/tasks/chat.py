@@ -19,6 +19,7 @@ from speedllm.generation.load import load_model
 from speedllm.generation.sampling import Sampling
 from speedllm.hardware import DTYPES
 from speedllm.models.rope import max_positions
+from speedllm.planner.spec import INFERENCE
 from speedllm.runtime import Runtime
 
 PROMPT = "you> "
@@ -98,3 +99,6 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
         history.append({"role": "assistant", "content": reply})
         if rt.is_main:
             print(flush=True)
+
+
+SPEC = INFERENCE  # a trained model under tensor and data parallelism (speedllm.planner.spec)

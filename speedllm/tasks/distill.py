@@ -27,18 +27,24 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from speedllm.errors import UserError
 from speedllm.generation.rollout import draw_generators, rollout
 from speedllm.generation.sampling import Sampling
 from speedllm.hardware import DTYPES
 from speedllm.ops import IGNORE_INDEX
 from speedllm.parallel import ParallelModel
+from speedllm.parallel.rules import distill_layout_errors
+from speedllm.parallel.rules import layout_errors as rule_errors
+from speedllm.planner.frozen import teacher_bytes
+from speedllm.planner.spec import TaskSpec, above, at_least, fraction, refuse_pairs
+from speedllm.planner.timing import forward_seconds
 from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.build import build_training, grad_accum_steps, to_device, training_loop
 from speedllm.train.distill_loss import STATS, Objective, distill_loss
 from speedllm.train.metrics import peak_memory_gb
 from speedllm.train.state import extra_state
 from speedllm.train.step import count_targets, model_inputs, optimizer_update
-from speedllm.train.teacher import build_teacher, head_weight, teacher_hidden
+from speedllm.train.teacher import build_teacher, check_teacher, head_weight, teacher_hidden, teacher_source
 
 
 def objective_of(cfg) -> Objective:
@@ -221,3 +227,75 @@ def run(cfg, rt: Runtime) -> None:
         checkpointer.close()
     finally:
         logger.close()
+
+
+# --------------------------------------------------------------- what task=distill declares (speedllm.planner.spec)
+
+VALUES = {
+    "distill.beta": (fraction, "in [0, 1]"),
+    "distill.temperature": above(0),
+    "distill.ce_weight": (fraction, "in [0, 1]"),
+    "distill.on_policy": (fraction, "in [0, 1]"),
+    "distill.top_k": at_least(1),  # null: the teacher's whole distribution
+}
+
+
+def frozen_model(run):
+    """The teacher's model (speedllm.train.teacher), None until distill.teacher names one."""
+    return None if run.distill.teacher is None else teacher_source(str(run.distill.teacher)).model
+
+
+def layout_errors(run, layout, frozen=None) -> List[str]:
+    """No pipeline stages or context parallelism; the teacher's placement (distill_layout_errors); and the teacher
+    model under the student's degrees (it is built under the same tp, ep and dp)."""
+    d, lay = run.distill, layout
+    errors = distill_layout_errors(pp=lay.pp, cp=lay.cp, tp=lay.tp, dp=lay.dp, fsdp=lay.fsdp,
+                                   teacher_quant=d.teacher_quant, teacher_parallel=d.teacher_parallel,
+                                   name=run.parallel.name)
+    if frozen is not None and not errors:
+        errors = [f"distill.teacher={d.teacher}: {e}" for e in
+                  rule_errors(frozen, tp=lay.tp, pp=1, vpp=1, ep=lay.ep, cp=1, dp=lay.dp, schedule=lay.schedule,
+                              sequence_parallel=lay.sequence_parallel)]
+    return errors
+
+
+def extras(run):
+    if run.distill.teacher_quant != "none":
+        yield f"distill.teacher_quant={run.distill.teacher_quant}", "torchao", "quant"
+
+
+def check_inputs(cfg) -> None:
+    """The settings that have no finite loss, and the teacher (speedllm.train.teacher.check_teacher)."""
+    d = cfg.distill
+    refuse_pairs(cfg)
+    if d.top_k is not None and d.top_k > cfg.model.vocab_size:
+        raise UserError(f"distill.top_k={d.top_k} exceeds the vocabulary ({cfg.model.vocab_size}); use a smaller k, "
+                        "or distill.top_k=null for the whole distribution")
+    reverse = d.loss == "reverse_kl" or d.loss == "jsd" and d.beta == 1
+    if d.top_k is not None and reverse:
+        raise UserError(f"distill.top_k={d.top_k} with the reverse KL (distill.loss={d.loss}, beta={d.beta}) is "
+                        "infinite where the student puts mass outside the teacher's top k; use distill.top_k=null, or "
+                        "distill.loss=forward_kl|jsd with beta < 1")
+    check_teacher(cfg)
+
+
+def memory(run, frozen, rank) -> dict:
+    """The teacher's weights on this rank (planner.frozen.teacher_bytes)."""
+    if frozen is None:
+        return {}
+    d = run.distill
+    return {"teacher": teacher_bytes(frozen, rank.layout, rank.hardware.dtype, quant=d.teacher_quant,
+                                     whole=d.teacher_parallel == "replicate")}
+
+
+def extra_seconds(run, frozen, rank) -> float:
+    """The teacher's forward over the step's tokens."""
+    if frozen is None:
+        return 0.0
+    t = run.train
+    return forward_seconds(frozen, rank.layout, rank.hardware, t.global_batch_size * t.seq_len, t.seq_len,
+                           rank.efficiency)
+
+
+SPEC = TaskSpec(layout_errors=layout_errors, values=VALUES, extras=extras, inputs=check_inputs,
+                frozen_model=frozen_model, memory=memory, extra_seconds=extra_seconds)

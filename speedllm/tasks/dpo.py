@@ -22,6 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from speedllm.adapters.lora import adapters_disabled
+from speedllm.errors import UserError
+from speedllm.parallel.rules import dpo_layout_errors
+from speedllm.planner.frozen import teacher_bytes
+from speedllm.planner.spec import TaskSpec
+from speedllm.planner.timing import forward_seconds
 from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.build import build_training, frozen_reference, grad_accum_steps, to_device, training_loop
 from speedllm.train.state import extra_state
@@ -105,3 +110,36 @@ def run(cfg, rt: Runtime) -> None:
         checkpointer.close()
     finally:
         logger.close()
+
+
+# ------------------------------------------------------------------- what task=dpo declares (speedllm.planner.spec)
+
+def layout_errors(run, layout, frozen=None) -> List[str]:
+    return dpo_layout_errors(pp=layout.pp)
+
+
+def check_inputs(cfg) -> None:
+    if cfg.data.format != "pairs":
+        raise UserError(f"task=dpo needs preference pairs; set data.format=pairs (now {cfg.data.format})")
+    if cfg.data.input is None:
+        raise UserError("task=dpo needs data.input=<json/jsonl of prompt/chosen/rejected pairs>")
+
+
+def frozen_model(run):
+    """The reference: a frozen copy of the starting weights with full fine-tuning (adapters turn off instead)."""
+    return run.model if run.finetune.name == "full" else None
+
+
+def memory(run, frozen, rank) -> dict:
+    return {} if frozen is None else {"teacher": teacher_bytes(frozen, rank.layout, rank.hardware.dtype)}
+
+
+def extra_seconds(run, frozen, rank) -> float:
+    """The reference's forward over both replies of every pair."""
+    t = run.train
+    return forward_seconds(run.model, rank.layout, rank.hardware, 2 * t.global_batch_size * t.seq_len, t.seq_len,
+                           rank.efficiency)
+
+
+SPEC = TaskSpec(layout_errors=layout_errors, inputs=check_inputs, rows_per_item=2, frozen_model=frozen_model,
+                memory=memory, extra_seconds=extra_seconds)

@@ -30,6 +30,7 @@ from speedllm.parallel.mesh import AXES
 from speedllm.parallel.pipeline import stage_layers
 from speedllm.planner.layout import layout_from_config
 from speedllm.planner.memory import MASTER_BYTES, model_tensors, placed, rank_params, state_text, teacher_bytes
+from speedllm.planner.spec import PLANNING
 from speedllm.runtime import init_fake_runtime
 from speedllm.train.optimizer import build_optimizer, state_numel
 
@@ -192,3 +193,6 @@ def run(cfg, rt) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
     print(f"dryrun: {len(ranks)} rank(s) built in {time.perf_counter() - start:.1f} s")
+
+
+SPEC = PLANNING  # builds the ranks of a layout (parallel=auto: plan.task's), not a step's batch

@@ -12,6 +12,7 @@ are printed and written to <run_dir>/eval.json.
 import json
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from omegaconf import DictConfig
 from speedllm.errors import UserError
 from speedllm.generation.load import load_model
 from speedllm.ops import IGNORE_INDEX
+from speedllm.planner.spec import INFERENCE
 from speedllm.runtime import Runtime
 
 
@@ -64,3 +66,11 @@ def run(cfg: DictConfig, rt: Runtime) -> None:
               f"{result['tokens']} target tokens, {result['tokens_per_s']:.0f} tokens/s")
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.run_dir) / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+def extras(run):
+    if run.evaluate.tasks:
+        yield "evaluate.tasks", "lm_eval", "eval"
+
+
+SPEC = replace(INFERENCE, extras=extras)  # a trained model under tensor and data parallelism; lm-eval's suites

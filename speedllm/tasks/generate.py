@@ -24,6 +24,7 @@ from speedllm.generation.engine import Detokenizer
 from speedllm.generation.load import load_model
 from speedllm.hardware import DTYPES
 from speedllm.models.rope import max_positions
+from speedllm.planner.spec import INFERENCE
 from speedllm.runtime import Runtime
 from speedllm.storage import write_text_atomic
 
@@ -124,3 +125,6 @@ def report(rows: List[dict], gen: DictConfig, seconds: float, streaming: bool) -
         text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
         write_text_atomic(out, text, "generate.output")
         print(f"wrote {len(rows)} rows to {out}", file=sys.stderr)
+
+
+SPEC = INFERENCE  # a trained model under tensor and data parallelism (speedllm.planner.spec)

@@ -23,6 +23,7 @@ import copy
 import functools
 import math
 import numbers
+import os
 import time
 from collections.abc import Iterator, Sized
 from typing import List
@@ -33,6 +34,7 @@ from hydra.utils import get_method
 from omegaconf import OmegaConf
 
 from speedllm.adapters.lora import adapters_disabled
+from speedllm.data.preprocess import expand_inputs
 from speedllm.data.prompts import PromptOrder, load_prompts
 from speedllm.data.tokenizer import load_tokenizer, pad_id_of, stop_ids_of
 from speedllm.errors import UserError
@@ -42,6 +44,10 @@ from speedllm.generation.sampling import Sampling
 from speedllm.hardware import DTYPES
 from speedllm.models.moe import replay_routes
 from speedllm.models.rope import max_positions
+from speedllm.parallel.rules import grpo_layout_errors
+from speedllm.planner.frozen import rollout_cache_bytes, teacher_bytes
+from speedllm.planner.spec import TaskSpec, above, at_least
+from speedllm.planner.timing import decode_seconds, forward_seconds
 from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.build import build_training, frozen_reference, training_loop
 from speedllm.train.faults import BadSteps, Preemption
@@ -312,8 +318,7 @@ def run(cfg, rt: Runtime) -> None:
     rl, t, ck = cfg.rl, cfg.train, cfg.checkpoint
     _, _, dp_group = rt.dims.coords("dp")
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.trust_remote_code)
-    data = load_prompts(cfg.data.input, tokenizer, max_positions(cfg.model) - rl.max_new_tokens, rl.max_new_tokens,
-                        tool_schemas(build_tools(rl.tools)))
+    data = read_prompts(cfg, tokenizer)
     rewards = build_rewards(rl)
     reference = None
     if rl.kl_coef != 0.0 and cfg.finetune.name == "full":  # else the policy with its adapters off
@@ -399,3 +404,136 @@ def run(cfg, rt: Runtime) -> None:
         checkpointer.close()
     finally:
         logger.close()
+
+
+# ------------------------------------------------------------------ what task=grpo declares (speedllm.planner.spec)
+
+VALUES = {
+    "rl.group_size": ((lambda v: v >= 2), ">= 2 (with 1 every advantage would be zero: a reward minus the mean of "
+                                          "its own group)"),
+    **{f"rl.{k}": at_least(1) for k in ("prompts_per_step", "max_new_tokens", "ppo_epochs", "mini_batches")},
+    **{f"rl.{k}": at_least(0) for k in ("overlong_buffer", "max_resample", "kl_coef", "clip_high",
+                                         "overlong_penalty", "max_turns")},
+    "rl.temperature": above(0),
+    "rl.top_p": ((lambda v: 0 < v <= 1), "in (0, 1]"),
+    "rl.clip_low": ((lambda v: 0 <= v < 1), "in [0, 1)"),
+    "rl.rollout_correction_threshold": above(1),
+    "rl.tool_timeout_s": above(0),
+    "rl.tool_max_chars": above(0),
+}
+
+
+def layout_errors(run, layout, frozen=None) -> List[str]:
+    rl = run.rl
+    return grpo_layout_errors(pp=layout.pp, cp=layout.cp, tp=layout.tp, dp=layout.dp,
+                              prompts_per_step=rl.prompts_per_step, group_size=rl.group_size,
+                              mini_batches=rl.mini_batches, num_experts=run.model.num_experts,
+                              router_replay=rl.router_replay)
+
+
+def check_inputs(cfg) -> None:
+    """The rl settings against each other, the reward functions and tools, and the prompts (read and tokenized
+    here, so a bad record stops the run before any rank starts)."""
+    rl = cfg.rl
+    if rl.router_replay and not cfg.model.num_experts:
+        raise UserError(f"rl.router_replay=true: model {cfg.model.name} has no experts; leave rl.router_replay unset")
+    if rl.rollout_correction != "none" and rl.old_logprobs != "recompute":
+        raise UserError(f"rl.rollout_correction={rl.rollout_correction} weighs the training forward's old "
+                        "log-probabilities against the rollout's; add rl.old_logprobs=recompute")
+    if rl.overlong_buffer > rl.max_new_tokens:
+        raise UserError(f"rl.overlong_buffer={rl.overlong_buffer} exceeds rl.max_new_tokens={rl.max_new_tokens}; "
+                        "use a smaller buffer")
+    if not rl.rewards:
+        raise UserError("task=grpo needs reward functions: rl.rewards=[{_target_: module.fn, weight: 1.0}]")
+    for key, i, entry in [("rewards", i, e) for i, e in enumerate(rl.rewards)] + \
+            [("tools", i, e) for i, e in enumerate(rl.tools)]:
+        if not OmegaConf.is_dict(entry) or "_target_" not in entry:
+            raise UserError(f"rl.{key}[{i}]={entry} needs _target_: module.fn"
+                            + (" (and optionally weight)" if key == "rewards" else ""))
+        try:
+            get_method(entry["_target_"])
+        except Exception as e:  # hydra wraps import and attribute errors alike
+            raise UserError(f"rl.{key}[{i}]._target_={entry['_target_']} cannot be imported "
+                            f"({str(e).splitlines()[0]}); name a function module.fn on the Python path") from None
+        weight = entry.get("weight", 1.0)
+        if key == "rewards" and not (isinstance(weight, numbers.Real) and math.isfinite(weight)):
+            raise UserError(f"rl.rewards[{i}].weight={weight} must be a finite number")
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.trust_remote_code)
+    if rl.tools and tokenizer.convert_tokens_to_ids("</tool_call>") in (None, tokenizer.unk_token_id):
+        raise UserError(f"rl.tools: the tokenizer {cfg.data.tokenizer} has no </tool_call> token to end a call; use a "
+                        "Qwen3 tokenizer or leave rl.tools empty")
+    read_prompts(cfg, tokenizer)
+
+
+def read_prompts(cfg, tokenizer=None):
+    """data.input's prompts, tokenized (each must leave rl.max_new_tokens positions free)."""
+    if cfg.data.input is None:
+        raise UserError("task=grpo needs data.input=<json/jsonl of {prompt, ...} records> (or data=rl_demo)")
+    if tokenizer is None:
+        tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.trust_remote_code)
+    return load_prompts(cfg.data.input, tokenizer, max_positions(cfg.model) - cfg.rl.max_new_tokens,
+                        cfg.rl.max_new_tokens, tool_schemas(build_tools(cfg.rl.tools)))
+
+
+def workload(run) -> tuple:
+    """A step trains on every completion: rl.prompts_per_step x rl.group_size rows of the longest prompt plus
+    rl.max_new_tokens (the rollout left-pads its prompts to the widest and samples up to max_new_tokens)."""
+    if run.data.input is None:
+        read_prompts(run)  # raises its one line
+    files = tuple((path, os.stat(path).st_mtime_ns) for path in expand_inputs(run.data.input))
+    longest = _longest_prompt(files, str(run.data.tokenizer), run.data.trust_remote_code,
+                              max_positions(run.model), run.rl.max_new_tokens)
+    return longest + run.rl.max_new_tokens, run.rl.prompts_per_step * run.rl.group_size
+
+
+@functools.lru_cache(maxsize=8)  # planning asks once per problem; a file's key holds its modification time
+def _longest_prompt(files: tuple, tokenizer: str, trust_remote_code: bool, positions: int, max_new_tokens: int) -> int:
+    prompts = load_prompts([path for path, _ in files], load_tokenizer(tokenizer, trust_remote_code),
+                           positions - max_new_tokens, max_new_tokens)
+    return max(map(len, prompts.ids))
+
+
+def micro_batch(run, dp: int) -> int:
+    """Each update runs on one mini-batch of the rank's completions at once (no accumulation)."""
+    return max(1, run.rl.prompts_per_step // dp * run.rl.group_size // run.rl.mini_batches)
+
+
+def frozen_model(run):
+    """The reference: a frozen copy of the model with rl.kl_coef and full fine-tuning (LoRA turns its adapters off
+    instead)."""
+    return run.model if run.rl.kl_coef != 0 and run.finetune.name == "full" else None
+
+
+def memory(run, frozen, rank) -> dict:
+    """The reference's weights; the rollout's KV cache for this rank's completions; and the update's full-vocabulary
+    logits of one mini-batch's completion positions with their float32 log-softmax and its gradient
+    (speedllm.generation.rollout.completion_logprobs, not chunked)."""
+    m, lay = run.model, rank.layout
+    rows = run.rl.prompts_per_step * run.rl.group_size
+    e = DTYPES[rank.hardware.dtype].itemsize
+    # the logits in the compute dtype, then float32: their scaled copy, the log-softmax (kept) and its gradient
+    logits = lay.micro_batch * run.rl.max_new_tokens * m.vocab_size * (e + 3 * 4)
+    out = {"rollout": rollout_cache_bytes(m, lay, rows, rank.seq_len, rank.hardware.dtype), "logits": logits}
+    if frozen is not None:
+        out["teacher"] = teacher_bytes(frozen, lay, rank.hardware.dtype)
+    return out
+
+
+def extra_seconds(run, frozen, rank) -> float:
+    """The rollout (a prefill of the prompts, then rl.max_new_tokens decode steps); the forwards without backward
+    over every row (the reference's with rl.kl_coef, the old policy's with rl.old_logprobs=recompute); and the
+    update's passes after the first (rl.ppo_epochs, a forward and backward: three forwards' work)."""
+    m, lay, rl = run.model, rank.layout, run.rl
+    rows = rl.prompts_per_step * rl.group_size
+    prompt = rank.seq_len - rl.max_new_tokens
+    cache = rollout_cache_bytes(m, lay, rows, rank.seq_len, rank.hardware.dtype)
+    seconds = forward_seconds(m, lay, rank.hardware, rows * prompt, prompt, rank.efficiency)
+    seconds += decode_seconds(lay, rank.hardware, rank.params, rl.max_new_tokens, cache)
+    forwards = (rl.kl_coef != 0) + (rl.old_logprobs == "recompute") + 3 * (rl.ppo_epochs - 1)
+    return seconds + forwards * forward_seconds(m, lay, rank.hardware, rows * rank.seq_len, rank.seq_len,
+                                                rank.efficiency)
+
+
+SPEC = TaskSpec(layout_errors=layout_errors, values=VALUES, inputs=check_inputs, train_batches=False,
+                workload=workload, micro_batch=micro_batch, memory=memory, frozen_model=frozen_model,
+                extra_seconds=extra_seconds, workload_keys="rl.prompts_per_step, rl.group_size, rl.max_new_tokens")

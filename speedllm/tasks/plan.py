@@ -1,6 +1,10 @@
 """task=plan: print the ranked layouts of a model on the devices the launcher names, and why others were rejected.
 
     python launch.py task=plan model=qwen3_235b_a22b hardware=npu_a2 launcher.nnodes=16 launcher.nproc_per_node=16
+    python launch.py task=plan plan.task=grpo model=qwen3_8b hardware=h100 launcher.nproc_per_node=8
+
+The layouts are those plan.task (default pretrain) accepts, costed with the memory and work its SPEC declares
+(speedllm.planner.spec: a teacher, a reference, a rollout's cache and decode); an inference task gets its placement.
 
 The device count is launcher.nnodes x launcher.nproc_per_node (nproc_per_node=0: the profile's devices per
 node). Nothing starts on any device: the planner builds the model on the meta device only.
@@ -14,10 +18,13 @@ from speedllm.planner import device_count
 from speedllm.planner.layout import layout_from_config
 from speedllm.planner.memory import GIB, placed_state_bytes, state_text
 from speedllm.planner.search import Estimate, Planner, SearchResult, problem_from_config
+from speedllm.planner.spec import PLANNING
+from speedllm.tasks import planned_spec
 
-COMPONENTS = ("params", "grads", "grad_accum", "optimizer", "activations", "buffers", "host")
+COMPONENTS = ("params", "grads", "grad_accum", "optimizer", "activations", "buffers", "task", "host")
 HEADER = (f"{'#':>3}  {'layout':<48} {'GiB/dev':>7}  {'params':>6} {'grads':>6} {'accum':>6} {'optim':>6} "
-          f"{'activ':>6} {'buffers':>7} {'host':>6}  {'step s':>8} {'tokens/s':>11} {'MFU':>6} {'bubble':>6}")
+          f"{'activ':>6} {'buffers':>7} {'task':>6} {'host':>6}  {'step s':>8} {'tokens/s':>11} {'MFU':>6} "
+          f"{'bubble':>6}")
 
 
 def row(rank: str, est: Estimate) -> str:
@@ -35,7 +42,7 @@ def format_table(cfg: DictConfig, planner: Planner, result: SearchResult, second
              f"{p.capacity / GIB:.1f} usable), seq_len {p.seq_len}, global batch {p.global_batch}, "
              f"{p.hardware.dtype}: {costed} layouts costed, {len(result.fitting)} fit ({seconds:.1f} s)",
              "GiB/dev: peak of the busiest rank (forward/backward or update); accum: gradients accumulating over "
-             "micro-batches; host: what offload keeps in host memory per device; time, tokens/s and MFU estimated "
+             "micro-batches; task: what the task adds (a teacher or reference, a rollout cache, logits); host: what offload keeps in host memory per device; time, tokens/s and MFU estimated "
              "from the hardware profile", HEADER]
     lines += [row(str(i + 1), est) for i, est in enumerate(result.fitting[: cfg.plan.top])]
     if result.best is not None:
@@ -77,13 +84,20 @@ def demo_sized_note(cfg: DictConfig):
 
 
 def run(cfg: DictConfig, rt) -> None:
-    """Print the plan for cfg.model on device_count(cfg) devices of cfg.hardware."""
+    """Print the plan of plan.task for cfg.model on device_count(cfg) devices of cfg.hardware."""
     start = time.perf_counter()
-    note = demo_sized_note(cfg)
+    spec = planned_spec(cfg)
+    problem = problem_from_config(cfg, device_count(cfg), spec)
+    if spec.inference:
+        best = Planner(problem).inference_layout()
+        print(f"plan: task={cfg.plan.task} {cfg.model.name} on {problem.world} x {cfg.hardware.name}: "
+              + (f"{best.layout.short()}, {best.memory.total / GIB:.1f} GiB per device" if best is not None else
+                 f"no layout fits; add devices or lower {spec.workload_keys}"))
+        return
+    note = demo_sized_note(cfg) if spec.train_batches else None
     if note is not None:
         print(note)
-    problem = problem_from_config(cfg, device_count(cfg))
-    if problem.global_batch < problem.world:
+    if problem.global_batch < problem.world and spec.train_batches:
         # every layout would leave devices without a sequence; plan the smallest batch that feeds them all
         print(f"note: train.global_batch_size={problem.global_batch} is smaller than the {problem.world} devices; "
               f"planning with {problem.world} (set train.global_batch_size to plan another)")
@@ -102,7 +116,7 @@ def run(cfg: DictConfig, rt) -> None:
             mine = planner.estimate(layout, cfg.parallel.pp_layers)
     print(format_table(cfg, planner, result, time.perf_counter() - start, mine))
     if cfg.quant.name != "none":
-        from speedllm.planner.memory import GIB, inference_weight_bytes
+        from speedllm.planner.memory import inference_weight_bytes
 
         tp = cfg.parallel.tp
         quantized, plain = inference_weight_bytes(cfg.model, cfg.quant, cfg.hardware.dtype, tp)
@@ -121,5 +135,7 @@ def run(cfg: DictConfig, rt) -> None:
     if result.best is None:
         offload = "offload was not considered (plan.allow_offload=false)" if not cfg.plan.allow_offload else \
             "not even with offload to host memory"
-        print(f"no layout fits ({offload}): add devices (launcher.nnodes) or lower train.seq_len / "
-              "train.global_batch_size")
+        print(f"no layout fits ({offload}): add devices (launcher.nnodes) or lower {spec.workload_keys}")
+
+
+SPEC = PLANNING  # the layouts, memory and step of plan.task

@@ -9,6 +9,7 @@ import time
 
 from speedllm import storage
 from speedllm.checkpoint.dcp import latest_checkpoint
+from speedllm.planner.spec import TRAIN_LOOP
 from speedllm.runtime import Runtime, seed_everything
 from speedllm.train.build import build_training, grad_accum_steps, to_device, training_loop
 from speedllm.train.faults import BadSteps, Preemption
@@ -93,3 +94,6 @@ def run(cfg, rt: Runtime) -> None:
             print_samples(pm.module, cfg, rt.is_main)
         elif rt.is_main:
             print("samples skipped: generation does not run on pipeline stages (parallel.pp > 1)")
+
+
+SPEC = TRAIN_LOOP  # pretraining and SFT: the training rules (speedllm.planner.spec)

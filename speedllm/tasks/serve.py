@@ -19,6 +19,7 @@ import signal
 import threading
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import AsyncIterator, List, Optional
 
@@ -33,6 +34,7 @@ from speedllm.generation.load import DTYPES, load_model
 from speedllm.generation.sampling import Sampling
 from speedllm.models.kv_cache import cache_bytes, cache_shape
 from speedllm.models.rope import max_positions
+from speedllm.planner.spec import INFERENCE, at_least
 from speedllm.runtime import Runtime
 
 
@@ -447,3 +449,29 @@ def handle_signals(handler):
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+# ----------------------------------------------------------------- what task=serve declares (speedllm.planner.spec)
+
+def extras(run):
+    yield "task=serve", "fastapi", "serve"
+    yield "task=serve", "uvicorn", "serve"
+
+
+VALUES = {
+    "serve.port": ((lambda v: 1 <= v <= 65535), "in 1..65535"),
+    "serve.max_batch": at_least(1),
+    "serve.max_queue": at_least(1),
+    "serve.max_len": ((lambda v: v >= 2), ">= 2 (prompt + completion tokens per request)"),
+    "serve.max_body_bytes": at_least(1024),
+    "serve.read_timeout": ((lambda v: v > 0), "> 0 (seconds)"),
+}
+
+
+def workload(run) -> tuple:
+    """The slots' KV cache: serve.max_batch requests of serve.max_len tokens each (speedllm.generation.batching)."""
+    return min(run.serve.max_len, max_positions(run.model)), run.serve.max_batch
+
+
+SPEC = replace(INFERENCE, values=VALUES, extras=extras, workload=workload,
+               workload_keys="serve.max_batch, serve.max_len")
