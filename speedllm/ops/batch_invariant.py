@@ -42,6 +42,11 @@ def active() -> bool:
     return _active
 
 
+def _threads(work: int) -> int:
+    """torch's thread count, or one thread for a small call (waking the OpenMP team costs more than the work)."""
+    return torch.get_num_threads() if work >= 1 << 18 else 1
+
+
 def _supported(*tensors) -> bool:
     dtype = tensors[0].dtype
     return dtype in _SUFFIX and all(t.dtype == dtype and t.device.type == "cpu" for t in tensors)
@@ -62,8 +67,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if B and M and N:
         if K == 0:
             return y.zero_()
-        threads = torch.get_num_threads() if B * M * N * K >= 1 << 18 else 1  # waking a team costs more
-        _kernel("bi_mm", a.dtype, _MM)(x.data_ptr(), w.data_ptr(), y.data_ptr(), B, M, N, K, threads)
+        _kernel("bi_mm", a.dtype, _MM)(x.data_ptr(), w.data_ptr(), y.data_ptr(), B, M, N, K, _threads(B * M * N * K))
     return y
 
 
@@ -91,7 +95,7 @@ class _Attention(torch.autograd.Function):
         out = torch.empty_like(qc)
         _kernel("bi_attention", q.dtype, _ATTENTION)(
             qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), None if allowed is None else allowed.data_ptr(),
-            out.data_ptr(), B, H, KV, S, T, D, scale, torch.get_num_threads() if B * H * S * T * D >= 1 << 18 else 1)
+            out.data_ptr(), B, H, KV, S, T, D, scale, _threads(B * H * S * T * D))
         return out
 
     @staticmethod
