@@ -10,7 +10,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -59,8 +59,9 @@ class HardwareConfig:
     env: Dict[str, str] = field(default_factory=dict)
     float8: bool = False  # float8 matmuls (NVIDIA SM 8.9+: H100/H200/L40/RTX 40xx); gates quant=float8
     # every matmul and attention in one fixed summation order (speedllm.ops.batch_invariant; CPUs): a token's values
-    # do not depend on its batch, so rollout and training log-probabilities are equal to the bit
-    batch_invariant: bool = False
+    # do not depend on its batch, so rollout and training log-probabilities are equal to the bit. None: the task's
+    # choice on a CPU in bfloat16 (TaskSpec.batch_invariant; speedllm.config.resolve.resolve_hardware), else off
+    batch_invariant: Optional[bool] = None
 
 def npu_available() -> bool:
     """True when torch_npu is installed and sees a device. Imported only if present: it needs the Ascend toolkit."""

@@ -109,6 +109,9 @@ def test_overlong_truncate_and_drop(tmp_path, tok):
     assert (len(t.ids), t.truncated, t.dropped) == (2, 1, 1) and max(map(len, t.ids)) == 64 and t.masks[1].any()
     d = load_sft_samples(str(src), "messages", tok, "assistant", 64, "drop", "fail")
     assert (len(d.ids), d.truncated, d.dropped) == (1, 0, 2)
+    src.write_text(json.dumps(unanswered) + "\n")
+    with pytest.raises(UserError, match=r"all 1 samples dropped, .* train.seq_len=64 — raise train.seq_len"):
+        SFTDataset(load_sft_samples(str(src), "messages", tok, "assistant", 64, "truncate", "fail"), 64, 0, True, 0)
 
 
 def test_bad_records(tmp_path, tok):

@@ -60,7 +60,8 @@ COMMAND = re.compile(r"^((?:[A-Z_][A-Z0-9_]*=\S+\s+)*)(python launch\.py|speedll
                      r"python benchmarks/)(\s|$)")
 TRAIN_CHEAP = ["train.steps=2", "train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4",
                "train.eval_every=0", "generate.num_samples=0"]
-TASK_CHEAP = {"pretrain": TRAIN_CHEAP, "sft": TRAIN_CHEAP, "dpo": TRAIN_CHEAP, "distill": TRAIN_CHEAP,
+# sft's rows hold a chat template's system prompt (alpaca's instruction) before the trained reply
+TASK_CHEAP = {"pretrain": TRAIN_CHEAP, "sft": [*TRAIN_CHEAP, "train.seq_len=64"], "dpo": TRAIN_CHEAP, "distill": TRAIN_CHEAP,
               "grpo": ["train.steps=2", "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=4"],
               "generate": ["generate.max_new_tokens=4"], "chat": ["generate.max_new_tokens=4"],
               "evaluate": ["evaluate.steps=1", "evaluate.limit=2"], "serve": ["serve.max_len=128"]}

@@ -53,10 +53,14 @@ def assert_same(ours, single):
     for a, b in zip(ours, single):
         assert a["rl/logprob_diff"] <= 1e-5 and b["rl/logprob_diff"] <= 1e-5
         assert a["rl/reward"] == b["rl/reward"] and a["rl/response_len"] == b["rl/response_len"]  # same rollouts
+        # the first step to 1e-5 relative, later steps to 5e-5: lr 0.5 carries the first update's rounding into
+        # the next gradients, which are sums of +-advantage terms that nearly cancel (ep2's step-1 grad norm is
+        # 3.6e-6 off one process', step 2's 2.4e-5; dp2 and fsdp2 stay under 1e-6). The loss, a mean of such
+        # terms of size ~1 (~1e-3), to 2e-6 absolute: one process on 1 thread against 2 threads already differs
+        # by 2e-5 of it.
+        rel = 1e-5 if a["step"] == 1 else 5e-5
         for key in SAME:
-            # 1e-5 relative; the loss, a mean of +-advantage terms of size ~1 that nearly cancel (~1e-3), to 2e-6
-            # absolute: one process on 1 thread against 2 threads already differs by 2e-5 of it
-            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=2e-6 if key == "loss" else 0), \
+            assert a[key] == pytest.approx(b[key], rel=rel, abs=2e-6 if key == "loss" else 0), \
                 (key, a["step"], a[key], b[key])
     assert single[-1]["loss"] != 0 and single[-1]["rl/kl"] > 0  # the runs compared did learn something
 

@@ -13,7 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from speedllm.config import compose_config
-from speedllm.config.resolve import resolve_hardware
+from speedllm.config.resolve import resolve, resolve_hardware
 from speedllm.hardware import PROBED, cores, cpu_dtype, cpu_probe, probe_file
 from speedllm.native import cache_dir
 from speedllm.train.metrics import flops_per_token
@@ -54,6 +54,12 @@ def hardware(*overrides) -> dict:
     return OmegaConf.to_container(cfg.hardware, resolve=True)
 
 
+def resolved_hardware(tmp_path, *overrides) -> dict:
+    cfg = compose_config(f"run_dir={tmp_path}", *overrides)
+    resolve(cfg)
+    return OmegaConf.to_container(cfg.hardware, resolve=True)
+
+
 def test_auto_dtype_and_peaks_follow_the_probe(probed):
     assert cpu_dtype(ZEN5) == "bfloat16" and cpu_dtype(AVX2) == "float32"
     assert cpu_dtype({"float32": 100.0, "bfloat16": 110.0}, ("avx512_bf16",)) == "float32"  # the casts eat it
@@ -73,6 +79,18 @@ def test_auto_dtype_and_peaks_follow_the_probe(probed):
     assert hardware("hardware=cuda", "hardware.dtype=auto")["dtype"] == "bfloat16"
     probed(AVX2)
     assert hardware()["dtype"] == "float32" and hardware("hardware=cpu", "hardware.dtype=bfloat16")["dtype"] == "bfloat16"
+
+
+def test_batch_invariant_mode_is_the_sampling_tasks_default_on_a_bf16_cpu(probed, tmp_path):
+    probed(ZEN5)  # auto: bfloat16
+    on = [("task=grpo",), ("task=grpo", "hardware=cpu"), ("task=distill", "distill.on_policy=0.5")]
+    off = [(), ("task=sft",), ("task=serve",), ("task=distill",), ("task=grpo", "hardware.dtype=float32"),
+           ("task=grpo", "hardware.batch_invariant=false"), ("task=grpo", "hardware=cuda")]
+    assert [resolved_hardware(tmp_path, *o)["batch_invariant"] for o in on] == [True] * len(on)
+    assert [resolved_hardware(tmp_path, *o)["batch_invariant"] for o in off] == [False] * len(off)
+    assert resolved_hardware(tmp_path, "hardware.batch_invariant=true")["batch_invariant"] is True  # asked for, on any task
+    probed(AVX2)  # auto: float32, where torch's kernels differ by ~1e-6 and the mode costs time
+    assert resolved_hardware(tmp_path, "task=grpo")["batch_invariant"] is False
 
 
 def test_the_probe_measures_once_per_machine(tmp_path, monkeypatch):

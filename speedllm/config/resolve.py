@@ -4,6 +4,8 @@
     remote model and data inputs -> local copies in data.cache_dir (checkpoint.load_hf, distill.teacher, data.input)
     hardware=auto        -> the profile of the devices this machine has (the hardware.* values typed kept)
     hardware.dtype=auto  -> on a CPU, what its GEMM probe shows faster; the CPU's peaks measured (speedllm.hardware)
+    hardware.batch_invariant unset -> on for a task that scores its own samples (grpo, on-policy distill) on a CPU
+                            in bfloat16, else off
     model=hf             -> the fields of checkpoint.load_hf's config.json, as values
     checkpoint.load      -> the model and tokenizer the checkpoint was trained with (inference tasks; a training
                             run too when that checkpoint's run started from another task's weights)
@@ -25,6 +27,7 @@ from speedllm.errors import UserError
 from speedllm.hardware import detect, load_profile, resolve_dtype
 from speedllm.parallel.rules import V_SCHEDULES
 from speedllm.runtime import under_torchrun
+from speedllm.tasks import task_spec
 
 
 def resolve(cfg: DictConfig) -> tuple[int, int]:
@@ -34,6 +37,10 @@ def resolve(cfg: DictConfig) -> tuple[int, int]:
     fetch_inputs(cfg)
     resolve_model(cfg)
     validate_values(cfg)  # values first: a typo is named before a missing checkpoint, and the layout is derived
+    hw = cfg.hardware  # batch-invariant mode where the user left it to the (now known) task
+    if hw.batch_invariant is None:
+        hw.batch_invariant = hw.device == "cpu" and hw.dtype == "bfloat16" and \
+            task_spec(cfg.task.name).batch_invariant(cfg)
     another = None if cfg.task.inference else another_tasks_checkpoint(cfg)
     if cfg.task.inference or another is not None:  # from sane launcher counts and planner sizes
         adopt_checkpoint_config(cfg, another)

@@ -239,6 +239,9 @@ class SFTDataset:
     (or takes one sample per row when packing is off); `ds[k]` is row k counted across epochs."""
 
     def __init__(self, samples: SFTSamples, seq_len: int, pad_id: int, packing: bool, seed: int):
+        if samples.dropped and not samples.ids:
+            raise UserError(f"SFT data: all {samples.dropped} samples dropped, none trains a token within train.seq_len="
+                            f"{seq_len} — raise train.seq_len")
         if not samples.ids:
             raise UserError("SFT data: no usable samples in this split — check data.input, data.format, data.split")
         self.samples, self.seq_len, self.pad_id = samples, seq_len, pad_id

@@ -99,6 +99,10 @@ class TaskSpec:
     inference: bool = False
     # run -> the task this one plans for (task=plan, task=dryrun: plan.task), whose declarations planning reads
     plans: Optional[Callable[..., str]] = None
+    # run -> whether it scores its own samples to train on them (a rollout's log-probabilities against the
+    # training forward's): hardware.batch_invariant unset, batch-invariant mode on for it on a CPU in bfloat16,
+    # where torch's kernels differ by up to 6e-2 and the mode's are not slower (docs/benchmarks/rl.md)
+    batch_invariant: Callable[..., bool] = lambda run: False
 
 
 def refuse_pairs(run) -> None:

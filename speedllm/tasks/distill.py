@@ -298,4 +298,5 @@ def extra_seconds(run, frozen, rank) -> float:
 
 
 SPEC = TaskSpec(layout_errors=layout_errors, values=VALUES, extras=extras, inputs=check_inputs,
-                frozen_model=frozen_model, memory=memory, extra_seconds=extra_seconds)
+                frozen_model=frozen_model, memory=memory, extra_seconds=extra_seconds,
+                batch_invariant=lambda run: run.distill.on_policy > 0)

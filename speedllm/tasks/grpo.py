@@ -536,4 +536,5 @@ def extra_seconds(run, frozen, rank) -> float:
 
 SPEC = TaskSpec(layout_errors=layout_errors, values=VALUES, inputs=check_inputs, train_batches=False,
                 workload=workload, micro_batch=micro_batch, memory=memory, frozen_model=frozen_model,
-                extra_seconds=extra_seconds, workload_keys="rl.prompts_per_step, rl.group_size, rl.max_new_tokens")
+                extra_seconds=extra_seconds, workload_keys="rl.prompts_per_step, rl.group_size, rl.max_new_tokens",
+                batch_invariant=lambda run: True)
