@@ -60,7 +60,7 @@ class HardwareConfig:
     float8: bool = False  # float8 matmuls (NVIDIA SM 8.9+: H100/H200/L40/RTX 40xx); gates quant=float8
     # every matmul and attention in one fixed summation order (speedllm.ops.batch_invariant; CPUs): a token's values
     # do not depend on its batch, so rollout and training log-probabilities are equal to the bit. None: the task's
-    # choice on a CPU in bfloat16 (TaskSpec.batch_invariant; speedllm.config.resolve.resolve_hardware), else off
+    # choice on a CPU in bfloat16 (TaskSpec.batch_invariant; speedllm.config.resolve.resolve_batch_invariant), else off
     batch_invariant: Optional[bool] = None
 
 def npu_available() -> bool:

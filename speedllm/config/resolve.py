@@ -37,10 +37,7 @@ def resolve(cfg: DictConfig) -> tuple[int, int]:
     fetch_inputs(cfg)
     resolve_model(cfg)
     validate_values(cfg)  # values first: a typo is named before a missing checkpoint, and the layout is derived
-    hw = cfg.hardware  # batch-invariant mode where the user left it to the (now known) task
-    if hw.batch_invariant is None:
-        hw.batch_invariant = hw.device == "cpu" and hw.dtype == "bfloat16" and \
-            task_spec(cfg.task.name).batch_invariant(cfg)
+    resolve_batch_invariant(cfg)
     another = None if cfg.task.inference else another_tasks_checkpoint(cfg)
     if cfg.task.inference or another is not None:  # from sane launcher counts and planner sizes
         adopt_checkpoint_config(cfg, another)
@@ -82,6 +79,15 @@ def resolve_hardware(cfg: DictConfig) -> None:
         typed = {key: cfg.hardware[key] for key in typed_hardware_keys(cfg)}
         cfg.hardware = OmegaConf.merge(load_profile(detect()), typed)
     resolve_dtype(cfg.hardware)
+
+
+def resolve_batch_invariant(cfg: DictConfig) -> None:
+    """hardware.batch_invariant left unset: on where the task asks for it (TaskSpec.batch_invariant) on a CPU in
+    bfloat16, else off. After validate_values, which names a mistyped task before its spec is looked up."""
+    hw = cfg.hardware
+    if hw.batch_invariant is None:
+        hw.batch_invariant = hw.device == "cpu" and hw.dtype == "bfloat16" and \
+            task_spec(cfg.task.name).batch_invariant(cfg)
 
 
 def typed_hardware_keys(cfg: DictConfig) -> list:

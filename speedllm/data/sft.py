@@ -240,8 +240,8 @@ class SFTDataset:
 
     def __init__(self, samples: SFTSamples, seq_len: int, pad_id: int, packing: bool, seed: int):
         if samples.dropped and not samples.ids:
-            raise UserError(f"SFT data: all {samples.dropped} samples dropped, none trains a token within train.seq_len="
-                            f"{seq_len} — raise train.seq_len")
+            raise UserError(f"SFT data: all {samples.dropped} samples dropped, none trains a token within "
+                            f"train.seq_len={seq_len} — raise train.seq_len")
         if not samples.ids:
             raise UserError("SFT data: no usable samples in this split — check data.input, data.format, data.split")
         self.samples, self.seq_len, self.pad_id = samples, seq_len, pad_id
