@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 
+from speedllm.native import cpu_features, supported_isas
 from speedllm.ops import batch_invariant as bi
 from speedllm.ops import cpu
 from speedllm.ops.reference import attention_math
@@ -78,19 +79,48 @@ def test_fused_norm_rows_do_not_depend_on_their_batch(dtype):
         assert torch.equal(cpu.rms_norm(x[m - 1:m], w, 1e-6), full[m - 1:m])
 
 
-def test_the_lower_kernel_path_is_batch_invariant_too():
-    """SPEEDLLM_CPU_ISA=avx2 (or generic) builds the portable lanes: invariant on its own (run in a subprocess, as a
-    user forcing the path would)."""
-    from speedllm.native import supported_isas
-
-    lower = [p for p in supported_isas() if p not in ("avx512",)][0]
-    code = ("import torch; from speedllm.ops import batch_invariant as bi; g = torch.Generator().manual_seed(0);"
-            "x = torch.randn(40, 70, generator=g); w = torch.randn(33, 70, generator=g); f = bi.mm(x, w.t());"
-            "assert all(torch.equal(bi.mm(x[i:i+1], w.t()), f[i:i+1]) for i in range(40));"
-            "torch.testing.assert_close(f, x @ w.t(), rtol=1e-5, atol=1e-4); print('ok')")
+@pytest.mark.parametrize("path", [p for p in supported_isas() if p != "avx512" or "amx_bf16" in cpu_features()])
+def test_the_lower_kernel_paths_are_batch_invariant_too(path):
+    """SPEEDLLM_CPU_ISA=avx2 (or generic) builds the portable lanes, and on an AMX machine =avx512 the AVX512-BF16
+    twin of its tiles: each invariant on its own, fp32 and bf16 (run in a subprocess, as a user forcing the path
+    would)."""
+    code = """if True:
+        import torch
+        from speedllm.ops import batch_invariant as bi
+        assert bi.amx_missing()
+        g = torch.Generator().manual_seed(0)
+        x, w = torch.randn(40, 70, generator=g), torch.randn(33, 70, generator=g)
+        for t, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+            a, b = x.to(t), w.to(t).t()
+            f = bi.mm(a, b)
+            assert all(torch.equal(bi.mm(a[i:i + 1], b), f[i:i + 1]) for i in range(40))
+            torch.testing.assert_close(f.double(), a.double() @ b.double(), rtol=tol, atol=tol * 30)
+        print("ok")"""
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "SPEEDLLM_CPU_ISA": lower})
+                         env={**os.environ, "SPEEDLLM_CPU_ISA": path})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+@pytest.mark.skipif(not bi._packed_kernel(), reason=f"bf16 matmul not packed here: {bi.bf16_path()}")
+def test_packed_bf16_matmul_rows_do_not_depend_on_batch_layout_or_tails():
+    """The packed bf16 kernel (AMX tiles, else vdpbf16ps): K tails (33, past the 512-deep chunk at 1100), columns
+    past one L2 pass (1040), operands in any layout (a row-major or transposed, b a linear weight's transpose or
+    row-major), so either operand takes the first role: a row among M equals the row alone, bit for bit, against
+    float64 at bf16's rounding."""
+    gen = torch.Generator().manual_seed(0)
+    for N, K in [(40, 33), (1040, 64), (96, 1100), (33, 1024)]:
+        x = torch.randn(64, K, generator=gen).bfloat16()
+        w = torch.randn(N, K, generator=gen).bfloat16()
+        layouts = [(x, w.t()), (x.t().contiguous().t(), w.t()), (x, w.t().contiguous()),
+                   (x.t().contiguous().t(), w.t().contiguous())]
+        full = bi.mm(x, w.t())
+        for a, b in layouts:
+            assert torch.equal(bi.mm(a, b), full), (N, K, a.stride(), b.stride())
+            for m in (1, 17, 63):
+                assert torch.equal(bi.mm(a[m - 1:m], b), full[m - 1:m]), (N, K, m, a.stride(), b.stride())
+                assert torch.equal(bi.mm(a[:m], b), full[:m]), (N, K, m, a.stride(), b.stride())
+        expected = x.double() @ w.double().t()
+        torch.testing.assert_close(full.double(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])

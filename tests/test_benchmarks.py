@@ -19,6 +19,7 @@ HEADERS = {
     "cp_memory": "| cp | cp_mode | rank | measured peak MiB |",
     "distill_memory": "distill / (sft + teacher weights) =",
     "fsdp_memory": "| ranks | measured peak MiB |",
+    "gemm": "| product | M x K x N | torch GFLOP/s |",
     "gdn": "| dtype | seq | ours s | transformers s | reference s |",
     "gdn_cp": "| cp | max rank peak MiB | / cp1 |",
     "generate": "| metric | transformers | speedllm | ratio | same ids |",

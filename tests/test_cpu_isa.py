@@ -12,7 +12,7 @@ import torch
 
 from speedllm.errors import UserError
 from speedllm.native import ISA_ENV, ISAS, compile_command, cpu_features, isa, kernel_path, supported_isas
-from speedllm.ops import cpu, reference
+from speedllm.ops import batch_invariant, cpu, reference
 from speedllm.quant import int4, int8
 
 pytestmark = pytest.mark.numerics
@@ -196,6 +196,8 @@ def test_the_variable_forces_a_path_that_doctor_names(launch, tmp_path, monkeypa
     assert code == 0, err
     assert (f"({ISA_ENV}=generic; paths here: {', '.join(supported_isas())}): int8 matmul generic, int4 matmul "
             f"generic, rms_norm/swiglu/rotary portable C (generic build)") in out
+    if batch_invariant.available():  # the forced path leaves the packed bf16 kernels (AMX, AVX512-BF16) out too
+        assert f"batch-invariant bf16 matmul fp32 lanes; not AMX: {ISA_ENV} is set" in out
 
 
 def test_a_path_this_cpu_cannot_run_is_refused_in_one_line(launch, tmp_path, monkeypatch):

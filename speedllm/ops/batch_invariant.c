@@ -15,7 +15,8 @@
  * bf16 operands are widened to fp32 (exact), products and sums are fp32, a bf16 result is rounded to nearest
  * even. Plain C for the compiler to vectorize (the 16 lanes are independent, so vectorizing keeps the order); built
  * by speedllm/native.py for this CPU (-march=native: FMA where the CPU has it, on every call alike). All arrays are
- * contiguous, row-major.
+ * contiguous, row-major. The avx512 path (SPEEDLLM_ISA_AVX512) writes the same lanes in intrinsics, and adds the
+ * packed bf16 matmuls at the end of this file (AMX, AVX512-BF16), which have orders of their own.
  */
 #include <math.h>
 #include <omp.h>
@@ -73,7 +74,7 @@ static inline float lanes_sum(const float *a) { /* the fixed tree: 16 -> 8 -> 4 
 static inline float f32_load(float f) { return f; }
 static inline float f32_store(float f) { return f; }
 
-#if defined(__AVX512F__)
+#if defined(SPEEDLLM_ISA_AVX512) && defined(__AVX512F__)
 #include <immintrin.h>
 /* The same lanes as DOTS: 16 fp32 lanes per output, FMA, lane l taking k = l (mod 16), the fixed tree at the end */
 #define BLOCK_SETUP(T)                                                                                                 \
@@ -113,30 +114,6 @@ static void dots_f32(const float *a, const float *b, long ra, long cb, long K, f
     BLOCK_OUT
 }
 
-#if defined(__AVX512BF16__)
-/* AVX512-BF16: vdpbf16ps adds a pair of bf16 products into each fp32 lane (lane l: k = 2l, 2l + 1 mod 32), one
- * fixed order of its own */
-static void dots_bf16(const bf16 *a, const bf16 *b, long ra, long cb, long K, float out[RB][CB]) {
-    BLOCK_SETUP(bf16)
-    long k = 0;
-    for (; k + 2 * LANES <= K; k += 2 * LANES) {
-        __m512bh av[RB], bv[CB];
-        for (int r = 0; r < RB; r++) av[r] = (__m512bh)_mm512_loadu_si512(ar[r] + k);
-        for (int c = 0; c < CB; c++) bv[c] = (__m512bh)_mm512_loadu_si512(bc[c] + k);
-        for (int r = 0; r < RB; r++)
-            for (int c = 0; c < CB; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], av[r], bv[c]);
-    }
-    if (k < K) {
-        __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
-        __m512bh av[RB], bv[CB];
-        for (int r = 0; r < RB; r++) av[r] = (__m512bh)_mm512_maskz_loadu_epi16(m, ar[r] + k);
-        for (int c = 0; c < CB; c++) bv[c] = (__m512bh)_mm512_maskz_loadu_epi16(m, bc[c] + k);
-        for (int r = 0; r < RB; r++)
-            for (int c = 0; c < CB; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], av[r], bv[c]);
-    }
-    BLOCK_OUT
-}
-#else
 static inline __m512 widen16(const bf16 *p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
@@ -153,7 +130,6 @@ static void dots_bf16(const bf16 *a, const bf16 *b, long ra, long cb, long K, fl
     }
     BLOCK_OUT
 }
-#endif
 #else
 DOTS(dots_f32, float, f32_load)
 DOTS(dots_bf16, bf16, bf16_load)
@@ -230,3 +206,296 @@ MM(bi_mm_bf16, bf16, dots_bf16, bf16_store)
 
 ATTENTION(bi_attention, float, f32_load, f32_store)
 ATTENTION(bi_attention_bf16, bf16, bf16_load, bf16_store)
+
+/* Packed bf16 matmuls, where the build target has AVX512-BF16 (-march=native on such a CPU): on AMX tiles
+ * (tdpbf16ps) where it has AMX too, else on vdpbf16ps lanes, with one packing and one blocking.
+ *
+ *   bi_amx_mm, bi_dp_mm: z[r, c] = sum_k P[r, k] Q[c, k], written y[r * ysr + c * ysc] in bf16 (or fp32), for
+ *              P [R, K] and Q [C, K] given by pointer, strides and dtype (fp32 or bf16: a cast is fused into the
+ *              packing)
+ *
+ * The caller lets P be either operand of a matmul (y = a b: P = a, Q = b^T, or P = b^T, Q = a with y transposed):
+ * a bf16 product is exact in fp32, so z[r, c] is the same bits both ways. A P whose rows are bf16, K-contiguous
+ * and K a multiple of 32 is read in place (a linear layer's weight, a row-major activation); anything else is
+ * copied into a zero-padded [16-row blocks, K32] buffer, and Q always into the pair-interleaved (VNNI) tiles both
+ * instructions take, fp32 operands rounded to bf16 on the way. Every z[r, c] is a sum over k = 0, 32, 64, ... in
+ * that order: on AMX each tdpbf16ps adds its 32 products into the fp32 accumulator in the hardware's one order, on
+ * vdpbf16ps column c's lane adds the pairs (k, k + 1) in k's order. The K range may be cut into chunks with the
+ * accumulators kept in fp32 memory between them, which adds nothing. Rows and columns past R and C are zeros in a
+ * tile of their own rows: so a row's result depends on nothing but its row, the other operand and K, whatever R,
+ * C, the chunking or the thread count. */
+#if defined(SPEEDLLM_ISA_AVX512) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+#define KC 512            /* the K of one pass over the accumulators */
+#define QCOLS 1024        /* the columns of Q one pass keeps in L2 (QCOLS x KC bf16: 1 MiB) */
+
+static inline bf16 element(const void *src, long at, int f32) {
+    return f32 ? bf16_store(((const float *)src)[at]) : ((const bf16 *)src)[at];
+}
+
+/* rows [r0, r1) of P as bf16 rows of K32 (zeros past R and K), 16 rows at a time: a P stored by columns (sr 1, the
+ * transpose of a row-major matrix) is read a row of its storage at a time */
+static void pack_rows(const void *p, long sr, long sk, int f32, long R, long K, long K32, long r0, long r1,
+                      bf16 *dst, int threads) {
+    _Pragma("omp parallel for schedule(static) num_threads(threads)") for (long b = r0; b < r1; b += 16) {
+        bf16 *block = dst + (b - r0) * K32;
+        long rows = R - b < 16 ? (R - b > 0 ? R - b : 0) : 16;
+        memset(block, 0, 16 * K32 * sizeof(bf16));
+        if (sk == 1)
+            for (long r = 0; r < rows; r++)
+                for (long k = 0; k < K; k++) block[r * K32 + k] = element(p, (b + r) * sr + k, f32);
+        else
+            for (long k = 0; k < K; k++)
+                for (long r = 0; r < rows; r++) block[r * K32 + k] = element(p, (b + r) * sr + k * sk, f32);
+    }
+}
+
+/* Q [C, K] into tiles [column block of 16][k block of 32][pair kp][column c][2]: element (c, 2 kp + j) at
+ * kp * 32 + 2 c + j, the layout tdpbf16ps takes for its second source */
+static void pack_pairs(const void *q, long sc, long sk, int f32, long C, long K, long KB, bf16 *dst, int threads) {
+    long blocks = (C + 15) / 16;
+    _Pragma("omp parallel for schedule(static) num_threads(threads)") for (long t = 0; t < blocks * KB; t++) {
+        long cb = t / KB, kb = t % KB, c0 = cb * 16, k0 = kb * 32;
+        bf16 *tile = dst + t * 512;
+        if (!f32 && c0 + 16 <= C && k0 + 32 <= K) { /* a whole tile of bf16: plain moves, the layout's two cases */
+            const bf16 *src = (const bf16 *)q + c0 * sc + k0 * sk;
+            if (sk == 1) { /* rows of K: a 16 x 16 transpose of bf16 pairs */
+                uint32_t *t32 = (uint32_t *)tile;
+                for (long c = 0; c < 16; c++)
+                    for (long kp = 0; kp < 16; kp++) memcpy(t32 + kp * 16 + c, src + c * sc + 2 * kp, 4);
+            } else { /* columns in rows of C (sc == 1 the common case): interleave two rows of k */
+                for (long kp = 0; kp < 16; kp++)
+                    for (long c = 0; c < 16; c++) {
+                        tile[kp * 32 + 2 * c] = src[2 * kp * sk + c * sc];
+                        tile[kp * 32 + 2 * c + 1] = src[(2 * kp + 1) * sk + c * sc];
+                    }
+            }
+            continue;
+        }
+        for (long kp = 0; kp < 16; kp++)
+            for (long c = 0; c < 16; c++)
+                for (long j = 0; j < 2; j++) {
+                    long col = c0 + c, k = k0 + 2 * kp + j;
+                    tile[kp * 32 + 2 * c + j] = col < C && k < K ? element(q, col * sc + k * sk, f32) : 0;
+                }
+    }
+}
+
+/* n <= 16 fp32 results to y[at + c * step], rounded to bf16 (nearest even, as bf16_store) unless y is fp32 */
+static inline void write_row(const float *o, void *y, long at, long step, long n, int f32) {
+    __mmask16 m = (__mmask16)((1u << n) - 1);
+    __m512 v = _mm512_load_ps(o);
+    if (f32 && step == 1) {
+        _mm512_mask_storeu_ps((float *)y + at, m, v);
+    } else if (f32) {
+        for (long c = 0; c < n; c++) ((float *)y)[at + c * step] = o[c];
+    } else {
+        __m512i u = _mm512_castps_si512(v), lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+        __m256i h = _mm512_cvtepi32_epi16(r);
+        if (step == 1) {
+            _mm256_mask_storeu_epi16((bf16 *)y + at, m, h);
+        } else {
+            bf16 tmp[16];
+            _mm256_storeu_si256((__m256i *)tmp, h);
+            for (long c = 0; c < n; c++) ((bf16 *)y)[at + c * step] = tmp[c];
+        }
+    }
+}
+
+/* One block of 2 x 2 tiles of 16 x 16 outputs (P's 16-row blocks pa[i], i < na, row stride ps[i]; Q's column
+ * tiles q[j], j < nb) over k in [k0, k1): the sums start at zero (first) or from acc (row stride as floats), and
+ * end in acc, or in out[2 i + j] on the K range's last pass */
+typedef void block_fn(const bf16 *const pa[2], const long ps[2], long na, const bf16 *const q[2], long nb, long k0,
+                      long k1, int first, int last, float *acc, long as, float out[4][256]);
+
+/* vdpbf16ps: 8 rows x 16 NB columns at a time (8 NB accumulators), a row's pair (k, k + 1) broadcast to 16 lanes */
+static inline __attribute__((always_inline)) void dp_rows(const bf16 *const row[8], const bf16 *const q[2], int nb,
+                                                          long k0, long k1, int first, int last, float *acc, long as,
+                                                          float *out0, float *out1) {
+    __m512 s[8][2];
+    for (int r = 0; r < 8; r++)
+        for (int j = 0; j < nb; j++) s[r][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + r * as + j * 16);
+    for (long k = k0; k < k1; k += 2) {
+        long t = k / 32 * 512 + k % 32 * 16; /* pair (k % 32) / 2 of tile k / 32 */
+        __m512bh b[2];
+        for (int j = 0; j < nb; j++) b[j] = (__m512bh)_mm512_load_si512(q[j] + t);
+        for (int r = 0; r < 8; r++) {
+            int32_t pair;
+            memcpy(&pair, row[r] + k, sizeof pair);
+            __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+            for (int j = 0; j < nb; j++) s[r][j] = _mm512_dpbf16_ps(s[r][j], a, b[j]);
+        }
+    }
+    for (int r = 0; r < 8; r++)
+        for (int j = 0; j < nb; j++)
+            _mm512_store_ps(last ? (j ? out1 : out0) + r * 16 : acc + r * as + j * 16, s[r][j]);
+}
+
+static void block_dp(const bf16 *const pa[2], const long ps[2], long na, const bf16 *const q[2], long nb, long k0,
+                     long k1, int first, int last, float *acc, long as, float out[4][256]) {
+    for (long i = 0; i < na; i++)
+        for (long h = 0; h < 16; h += 8) {
+            const bf16 *row[8];
+            for (int r = 0; r < 8; r++) row[r] = pa[i] + (h + r) * ps[i];
+            float *a = acc ? acc + (i * 16 + h) * as : NULL, *o0 = out[i * 2] + h * 16, *o1 = out[i * 2 + 1] + h * 16;
+            if (nb == 2)
+                dp_rows(row, q, 2, k0, k1, first, last, a, as, o0, o1);
+            else
+                dp_rows(row, q, 1, k0, k1, first, last, a, as, o0, o1);
+        }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+
+/* Linux lends the tile registers to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA):
+ * 1 granted, 0 not (an older kernel, or a sandbox that refuses it) */
+int bi_amx_ready(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static void tiles_configure(void) { /* 0-3: accumulators, 4-5: P, 6-7: Q; every one 16 rows x 64 bytes */
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* AMX: tiles 0-3 the 2 x 2 accumulators, 4-5 P's rows, 6-7 Q's columns, one tdpbf16ps per 32 k */
+static void block_amx(const bf16 *const pa[2], const long ps[2], long na, const bf16 *const q[2], long nb, long k0,
+                      long k1, int first, int last, float *acc, long as, float out[4][256]) {
+    long ab = as * (long)sizeof(float);
+    if (first) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    } else {
+        _tile_loadd(0, acc, ab);
+        if (nb == 2) _tile_loadd(1, acc + 16, ab);
+        if (na == 2) _tile_loadd(2, acc + 16 * as, ab);
+        if (na == 2 && nb == 2) _tile_loadd(3, acc + 16 * as + 16, ab);
+    }
+    for (long k = k0; k < k1; k += 32) {
+        long t = k / 32 * 512;
+        _tile_loadd(4, pa[0] + k, ps[0] * (long)sizeof(bf16));
+        _tile_loadd(6, q[0] + t, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (nb == 2) {
+            _tile_loadd(7, q[1] + t, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (na == 2) {
+            _tile_loadd(5, pa[1] + k, ps[1] * (long)sizeof(bf16));
+            _tile_dpbf16ps(2, 5, 6);
+            if (nb == 2) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    if (!last) {
+        _tile_stored(0, acc, ab);
+        if (nb == 2) _tile_stored(1, acc + 16, ab);
+        if (na == 2) _tile_stored(2, acc + 16 * as, ab);
+        if (na == 2 && nb == 2) _tile_stored(3, acc + 16 * as + 16, ab);
+        return;
+    }
+    _tile_stored(0, out[0], 64);
+    _tile_stored(1, out[1], 64);
+    _tile_stored(2, out[2], 64);
+    _tile_stored(3, out[3], 64);
+}
+#endif
+
+static void packed_mm(block_fn *block, int amx, const void *p, long spr, long spk, int p_f32, const void *q,
+                      long sqc, long sqk, int q_f32, void *y, long ysr, long ysc, int y_f32, long R, long C, long K,
+                      int threads) {
+    long KB = (K + 31) / 32, K32 = KB * 32, NRB = (R + 15) / 16, NCB = (C + 15) / 16;
+    long R16 = NRB * 16, C16 = NCB * 16;
+    bf16 *qp = aligned_alloc(64, NCB * KB * 512 * sizeof(bf16));
+    pack_pairs(q, sqc, sqk, q_f32, C, K, KB, qp, threads);
+    /* P in place where it can be; else (or for the last partial block of 16 rows) packed */
+    int direct = !p_f32 && spk == 1 && K % 32 == 0;
+    long packed_from = direct ? R / 16 * 16 : 0;
+    bf16 *pp = NULL;
+    if (packed_from < R16) {
+        pp = aligned_alloc(64, (R16 - packed_from) * K32 * sizeof(bf16));
+        pack_rows(p, spr, spk, p_f32, R, K, K32, packed_from, R16, pp, threads);
+    }
+    float *acc = KB * 32 > KC ? aligned_alloc(64, R16 * C16 * sizeof(float)) : NULL; /* between K chunks */
+    long RP = (NRB + 1) / 2;
+    _Pragma("omp parallel num_threads(threads)") {
+#ifdef HAVE_AMX
+        if (amx) tiles_configure();
+#endif
+        float out[4][256] __attribute__((aligned(64)));
+        for (long k0 = 0; k0 < K32; k0 += KC) {
+            long k1 = k0 + KC < K32 ? k0 + KC : K32, first = k0 == 0, last = k1 == K32;
+            for (long c0 = 0; c0 < NCB; c0 += QCOLS / 16) {
+                long c1 = c0 + QCOLS / 16 < NCB ? c0 + QCOLS / 16 : NCB;
+                _Pragma("omp for schedule(static)") for (long rp = 0; rp < RP; rp++) {
+                    long rb = rp * 2, na = rb + 1 < NRB ? 2 : 1;
+                    const bf16 *pa[2];
+                    long ps[2];
+                    for (long i = 0; i < na; i++) {
+                        long r = (rb + i) * 16;
+                        int in_place = r < packed_from;
+                        pa[i] = in_place ? (const bf16 *)p + r * spr : pp + (r - packed_from) * K32;
+                        ps[i] = in_place ? spr : K32;
+                    }
+                    for (long cb = c0; cb < c1; cb += 2) {
+                        long nb = cb + 1 < c1 ? 2 : 1;
+                        const bf16 *qt[2] = {qp + cb * KB * 512, qp + (cb + nb - 1) * KB * 512};
+                        block(pa, ps, na, qt, nb, k0, k1, first, last, acc ? acc + rb * 16 * C16 + cb * 16 : NULL,
+                              C16, out);
+                        if (!last) continue;
+                        for (long i = 0; i < na; i++)
+                            for (long j = 0; j < nb; j++) {
+                                const float *o = out[i * 2 + j];
+                                long r0 = (rb + i) * 16, cc0 = (cb + j) * 16;
+                                long rn = R - r0 < 16 ? R - r0 : 16, cn = C - cc0 < 16 ? C - cc0 : 16;
+                                if (ysr == 1 && ysc != 1) { /* y holds z transposed: write its rows, z's columns */
+                                    float col[16] __attribute__((aligned(64)));
+                                    for (long c = 0; c < cn; c++) {
+                                        for (long r = 0; r < 16; r++) col[r] = o[r * 16 + c];
+                                        write_row(col, y, r0 + (cc0 + c) * ysc, 1, rn, y_f32);
+                                    }
+                                } else {
+                                    for (long r = 0; r < rn; r++)
+                                        write_row(o + r * 16, y, (r0 + r) * ysr + cc0 * ysc, ysc, cn, y_f32);
+                                }
+                            }
+                    }
+                }
+            }
+        }
+#ifdef HAVE_AMX
+        if (amx) _tile_release();
+#endif
+    }
+    free(qp);
+    free(pp);
+    free(acc);
+}
+
+#define PACKED_MM(NAME, BLOCK, AMX)                                                                                    \
+    void NAME(const void *p, long spr, long spk, int p_f32, const void *q, long sqc, long sqk, int q_f32, void *y,   \
+              long ysr, long ysc, int y_f32, long R, long C, long K, int threads) {                                  \
+        packed_mm(BLOCK, AMX, p, spr, spk, p_f32, q, sqc, sqk, q_f32, y, ysr, ysc, y_f32, R, C, K, threads);         \
+    }
+
+PACKED_MM(bi_dp_mm, block_dp, 0)
+#ifdef HAVE_AMX
+PACKED_MM(bi_amx_mm, block_amx, 1)
+#endif
+#endif

@@ -10,32 +10,84 @@ the op set's attention while the mode is on: its forward is the fixed-order kern
 the hybrid models' sigmoid / SiLU / softplus / exp gates go through `elementwise`, and their gated delta rule
 runs token by token (speedllm.ops.cpu.chunk_gated_delta_rule).
 Other dtypes than fp32 and bf16 are products summed by torch.sum (rare: nothing of the model's).
+
+The bf16 matmuls run on packed operands where the CPU has AVX512-BF16: on AMX tiles where it has AMX (`bi_amx_mm`,
+tdpbf16ps), else on vdpbf16ps lanes (`bi_dp_mm`); elsewhere on fp32 lanes (`bi_mm_bf16`). Each path has its own
+fixed order, so a machine's bits are its path's. Setting SPEEDLLM_CPU_ISA (any path) leaves AMX out, which is how
+its twins are tested on an AMX machine.
 """
 
 import contextlib
 import ctypes
+import functools
+import os
 import warnings
 from pathlib import Path
 
 import torch
 
-from speedllm.native import c_function
+from speedllm.native import ISA_ENV, c_function, cpu_features, isa, load
 
 SOURCE = Path(__file__).with_name("batch_invariant.c")
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 _MM = (_P, _P, _P, _L, _L, _L, _L, _I)
 _ATTENTION = (_P,) * 5 + (_L,) * 6 + (ctypes.c_float, _I)
+_PACKED_MM = (_P, _L, _L, _I) * 2 + (_P, _L, _L, _I) + (_L, _L, _L, _I)
 _SUFFIX = {torch.float32: "", torch.bfloat16: "_bf16"}
 _active = False
 
 
-def _kernel(name: str, dtype: torch.dtype, argtypes: tuple):
-    return c_function(SOURCE, name + _SUFFIX[dtype], argtypes)
+def _kernel(name: str, dtype, argtypes: tuple):
+    return c_function(SOURCE, name + _SUFFIX.get(dtype, ""), argtypes)
 
 
 def available() -> bool:
     """Whether the kernels can be built here (a C compiler)."""
     return _kernel("bi_mm", torch.float32, _MM) is not None
+
+
+def amx_missing() -> str:
+    """Why the bf16 matmuls do not run on AMX tiles here ("" where they do), for task=doctor."""
+    if os.environ.get(ISA_ENV):
+        return f"{ISA_ENV} is set"
+    if "amx_bf16" not in cpu_features():
+        return "this CPU has no AMX-BF16"
+    return _amx_grant(isa())
+
+
+@functools.cache
+def _amx_grant(path: str) -> str:
+    library = load(SOURCE, path)
+    if library is None:
+        return "the kernels are not built"
+    if not hasattr(library, "bi_amx_ready"):
+        return "the compiler did not build the AMX kernel for this CPU"
+    if not library.bi_amx_ready():  # asks Linux for the tile state, once per process
+        return "Linux did not grant the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM refused)"
+    return ""
+
+
+def _packed_kernel() -> str:
+    """The packed bf16 matmul here: bi_amx_mm (AMX tiles), bi_dp_mm (AVX512-BF16) or "" (bi_mm_bf16's fp32 lanes)."""
+    if not amx_missing():
+        return "bi_amx_mm"
+    return "bi_dp_mm" if _built(isa(), "bi_dp_mm") else ""
+
+
+@functools.cache
+def _built(path: str, name: str) -> bool:
+    library = load(SOURCE, path)
+    return library is not None and hasattr(library, name)
+
+
+def bf16_path() -> str:
+    """The bf16 matmul of the mode on this machine, for task=doctor."""
+    if not available():
+        return "torch.sum of products (no C compiler: kernels not built)"
+    kernel = _packed_kernel()
+    if kernel == "bi_amx_mm":
+        return "AMX tiles (tdpbf16ps)"
+    return f"{'AVX512-BF16 (vdpbf16ps)' if kernel else 'fp32 lanes'}; not AMX: {amx_missing()}"
 
 
 def active() -> bool:
@@ -62,6 +114,12 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if not _supported(a, b):
         return (a[..., None] * b[:, None]).sum(2)  # no matmul: the mode replaces them
     (B, M, K), N = a.shape, b.shape[2]
+    kernel = a.dtype == torch.bfloat16 and B and M and N and K and _packed_kernel()
+    if kernel:
+        y = torch.empty(B, M, N, dtype=a.dtype)
+        for i in range(B):
+            _packed_mm(kernel, a[i], b[i], y[i], _threads(M * N * K))
+        return y
     x, w = a.contiguous(), b.transpose(1, 2).contiguous()  # w [B, N, K]: a linear weight's own layout, no copy
     y = torch.empty(B, M, N, dtype=a.dtype)
     if B and M and N:
@@ -69,6 +127,25 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             return y.zero_()
         _kernel("bi_mm", a.dtype, _MM)(x.data_ptr(), w.data_ptr(), y.data_ptr(), B, M, N, K, _threads(B * M * N * K))
     return y
+
+
+def _packed_mm(kernel: str, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor, threads: int) -> None:
+    """y [M, N] (contiguous bf16) = a [M, K] @ b [K, N] by `kernel` (bi_amx_mm or bi_dp_mm), a and b in any strides.
+    The kernel computes P Q^T for P [R, K], Q [C, K]: P = a and Q = b^T, or P = b^T and Q = a with y written
+    transposed, the same bits either way (bf16 products are exact in fp32): the one with the least copying, P read
+    in place where it can be (bf16, rows contiguous, K a multiple of 32)."""
+    (M, K), N = a.shape, b.shape[1]
+    bt = b.t()
+
+    def p_cost(t):  # elements copied (a transposing copy counted 4x) to use t as P
+        in_place = t.dtype == torch.bfloat16 and t.stride(1) == 1 and K % 32 == 0
+        return 0 if in_place else t.numel() * (1 if t.stride(1) == 1 else 4)
+
+    swap = p_cost(bt) + a.numel() + 2 * M * N < p_cost(a) + bt.numel()
+    (p, q), (ysr, ysc) = ((bt, a), (1, N)) if swap else ((a, bt), (N, 1))
+    _kernel(kernel, None, _PACKED_MM)(
+        p.data_ptr(), *p.stride(), p.dtype == torch.float32, q.data_ptr(), *q.stride(), q.dtype == torch.float32,
+        y.data_ptr(), ysr, ysc, 0, p.shape[0], q.shape[0], K, threads)
 
 
 def _mm_out(a, b, *, out):

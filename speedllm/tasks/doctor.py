@@ -27,13 +27,13 @@ def _report(cfg: DictConfig, rt: Runtime) -> dict:
 def cpu_kernels() -> str:
     """Which code path each CPU kernel runs on this machine (speedllm.native; SPEEDLLM_CPU_ISA forces one)."""
     from speedllm.native import ISA_ENV, cpu_name, kernel_path, supported_isas
-    from speedllm.ops import cpu
+    from speedllm.ops import batch_invariant, cpu
     from speedllm.quant import int4, int8
 
     return (f"cpu kernels on {cpu_name()} ({ISA_ENV}={os.environ.get(ISA_ENV) or 'unset'}; paths here: "
             f"{', '.join(supported_isas())}): int8 matmul {kernel_path(int8.KERNEL_SOURCE)}, int4 matmul "
             f"{kernel_path(int4.KERNEL_SOURCE)}, rms_norm/swiglu/rotary {kernel_path(cpu.KERNEL_SOURCE)}, int8_dyn "
-            f"dot products {int8.int8_dot_variant()}")
+            f"dot products {int8.int8_dot_variant()}, batch-invariant bf16 matmul {batch_invariant.bf16_path()}")
 
 
 def cpu_compute(cfg: DictConfig) -> str:
