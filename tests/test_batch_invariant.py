@@ -1,11 +1,13 @@
 """Batch-invariant mode (hardware.batch_invariant, speedllm.ops.batch_invariant): each output row of M = 1 equals
 the same row computed among 64, bit for bit, for the matmul, the attention (a decode step against a cache against
-the full sequence) and the fused norm; values against torch's; the lower kernel path (avx2) alike; the model's
+the full sequence) and the fused norm; values against torch's; the packed bf16 matmul (AMX, else AVX512-BF16; the
+AMX kernel also on emulated tiles) across layouts and tails; the lower kernel paths alike; the model's
 forward of one sequence equals it inside a batch of four, and a rollout's decode log-probabilities equal the
 training forward's, for the hybrid models too; through launch.py, GRPO's rl/logprob_diff is exactly 0 at every
 step, fp32 and bf16, in one process and under fsdp2, tp2 and (MoE) ep2, where without the mode it is not, and on
 a hybrid MoE in bf16."""
 
+import ctypes
 import json
 import os
 import subprocess
@@ -15,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from speedllm.native import cpu_features, supported_isas
+from speedllm.native import compile_command, cpu_features, supported_isas
 from speedllm.ops import batch_invariant as bi
 from speedllm.ops import cpu
 from speedllm.ops.reference import attention_math
@@ -107,6 +109,26 @@ def test_packed_bf16_matmul_rows_do_not_depend_on_batch_layout_or_tails():
     past one L2 pass (1040), operands in any layout (a row-major or transposed, b a linear weight's transpose or
     row-major), so either operand takes the first role: a row among M equals the row alone, bit for bit, against
     float64 at bf16's rounding."""
+    check_packed_matmul()
+
+
+@pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512_bf16"} <= set(cpu_features()) or not bi.available(),
+                    reason="the AMX kernel's emulated build needs an AVX512-BF16 CPU and a C compiler")
+def test_the_amx_kernel_on_emulated_tiles(tmp_path, monkeypatch):
+    """bi_amx_mm on any AVX512-BF16 CPU: its source built with the tile instructions in plain C
+    (tests/amx_emulator.c), so its packing, blocking, K chunks and transposed writes are checked where there is no
+    AMX (the hardware's order inside one tdpbf16ps is not emulated), as the packed test checks the real one."""
+    library = tmp_path / "amx_emulated.so"
+    command = compile_command(ROOT / "tests" / "amx_emulator.c", library, "avx512")
+    subprocess.run([*command[:-3], f'-DKERNEL_SOURCE="{bi.SOURCE}"', *command[-3:]], check=True)
+    kernel = ctypes.CDLL(str(library)).bi_amx_mm
+    kernel.argtypes, kernel.restype = bi._PACKED_MM, None
+    monkeypatch.setattr(bi, "_packed_kernel", lambda: "bi_amx_mm")
+    monkeypatch.setattr(bi, "_kernel", lambda name, dtype, argtypes: kernel)
+    check_packed_matmul()
+
+
+def check_packed_matmul():
     gen = torch.Generator().manual_seed(0)
     for N, K in [(40, 33), (1040, 64), (96, 1100), (33, 1024)]:
         x = torch.randn(64, K, generator=gen).bfloat16()
