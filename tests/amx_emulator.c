@@ -38,7 +38,8 @@ static void tile_dpbf16ps(int c, int a, int b) {
     for (int m = 0; m < 16; m++)
         for (int n = 0; n < 16; n++)
             for (int p = 0; p < 16; p++)
-                for (int j = 0; j < 2; j++) acc[m * 16 + n] += widen(x[m * 32 + 2 * p + j]) * widen(y[p * 32 + 2 * n + j]);
+                for (int j = 0; j < 2; j++)
+                    acc[m * 16 + n] += widen(x[m * 32 + 2 * p + j]) * widen(y[p * 32 + 2 * n + j]);
 }
 
 #define _tile_loadd(t, base, stride) tile_load(t, base, stride)

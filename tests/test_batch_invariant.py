@@ -1,7 +1,7 @@
 """Batch-invariant mode (hardware.batch_invariant, speedllm.ops.batch_invariant): each output row of M = 1 equals
 the same row computed among 64, bit for bit, for the matmul, the attention (a decode step against a cache against
-the full sequence) and the fused norm; values against torch's; the packed bf16 matmul (AMX, else AVX512-BF16; the
-AMX kernel also on emulated tiles) across layouts and tails; the lower kernel paths alike; the model's
+the full sequence) and the fused norm; values against torch's; the packed matmuls (fp32 FMA; bf16 AMX, else
+AVX512-BF16; the AMX kernel also on emulated tiles) across layouts and tails; the lower kernel paths alike; the model's
 forward of one sequence equals it inside a batch of four, and a rollout's decode log-probabilities equal the
 training forward's, for the hybrid models too; through launch.py, GRPO's rl/logprob_diff is exactly 0 at every
 step, fp32 and bf16, in one process and under fsdp2, tp2 and (MoE) ep2, where without the mode it is not, and on
@@ -103,13 +103,15 @@ def test_the_lower_kernel_paths_are_batch_invariant_too(path):
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
-@pytest.mark.skipif(not bi._packed_kernel(), reason=f"bf16 matmul not packed here: {bi.bf16_path()}")
-def test_packed_bf16_matmul_rows_do_not_depend_on_batch_layout_or_tails():
-    """The packed bf16 kernel (AMX tiles, else vdpbf16ps): K tails (33, past the 512-deep chunk at 1100), columns
-    past one L2 pass (1040), operands in any layout (a row-major or transposed, b a linear weight's transpose or
-    row-major), so either operand takes the first role: a row among M equals the row alone, bit for bit, against
-    float64 at bf16's rounding."""
-    check_packed_matmul()
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_packed_matmul_rows_do_not_depend_on_batch_layout_or_tails(dtype):
+    """The packed kernels (fp32 FMA; bf16 AMX tiles, else vdpbf16ps): K tails (33, past the 512-deep chunk at
+    1100), columns past one L2 pass (1040), operands in any layout (a row-major or transposed, b a linear weight's
+    transpose or row-major), so either operand takes the first role: a row among M equals the row alone, bit for bit, against
+    float64 at the dtype's rounding."""
+    if not bi._packed_kernel(dtype):
+        pytest.skip(f"no packed {dtype} matmul here (avx512 path only; bf16: {bi.bf16_path()})")
+    check_packed_matmul(dtype)
 
 
 @pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512_bf16"} <= set(cpu_features()) or not bi.available(),
@@ -123,16 +125,16 @@ def test_the_amx_kernel_on_emulated_tiles(tmp_path, monkeypatch):
     subprocess.run([*command[:-3], f'-DKERNEL_SOURCE="{bi.SOURCE}"', *command[-3:]], check=True)
     kernel = ctypes.CDLL(str(library)).bi_amx_mm
     kernel.argtypes, kernel.restype = bi._PACKED_MM, None
-    monkeypatch.setattr(bi, "_packed_kernel", lambda: "bi_amx_mm")
+    monkeypatch.setattr(bi, "_packed_kernel", lambda dtype: "bi_amx_mm" if dtype == torch.bfloat16 else "")
     monkeypatch.setattr(bi, "_kernel", lambda name, dtype, argtypes: kernel)
-    check_packed_matmul()
+    check_packed_matmul(torch.bfloat16)
 
 
-def check_packed_matmul():
+def check_packed_matmul(dtype):
     gen = torch.Generator().manual_seed(0)
     for N, K in [(40, 33), (1040, 64), (96, 1100), (33, 1024)]:
-        x = torch.randn(64, K, generator=gen).bfloat16()
-        w = torch.randn(N, K, generator=gen).bfloat16()
+        x = torch.randn(64, K, generator=gen).to(dtype)
+        w = torch.randn(N, K, generator=gen).to(dtype)
         layouts = [(x, w.t()), (x.t().contiguous().t(), w.t()), (x, w.t().contiguous()),
                    (x.t().contiguous().t(), w.t().contiguous())]
         full = bi.mm(x, w.t())
@@ -142,7 +144,8 @@ def check_packed_matmul():
                 assert torch.equal(bi.mm(a[m - 1:m], b), full[m - 1:m]), (N, K, m, a.stride(), b.stride())
                 assert torch.equal(bi.mm(a[:m], b), full[:m]), (N, K, m, a.stride(), b.stride())
         expected = x.double() @ w.double().t()
-        torch.testing.assert_close(full.double(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+        tol = 2e-6 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(full.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])

@@ -16,7 +16,7 @@
  * even. Plain C for the compiler to vectorize (the 16 lanes are independent, so vectorizing keeps the order); built
  * by speedllm/native.py for this CPU (-march=native: FMA where the CPU has it, on every call alike). All arrays are
  * contiguous, row-major. The avx512 path (SPEEDLLM_ISA_AVX512) writes the same lanes in intrinsics, and adds the
- * packed bf16 matmuls at the end of this file (AMX, AVX512-BF16), which have orders of their own.
+ * packed matmuls at the end of this file (fp32 FMA; bf16 AMX, AVX512-BF16), which have orders of their own.
  */
 #include <math.h>
 #include <omp.h>
@@ -76,7 +76,8 @@ static inline float f32_store(float f) { return f; }
 
 #if defined(SPEEDLLM_ISA_AVX512) && defined(__AVX512F__)
 #include <immintrin.h>
-/* The same lanes as DOTS: 16 fp32 lanes per output, FMA, lane l taking k = l (mod 16), the fixed tree at the end */
+/* bf16 in the same lanes as DOTS: 16 fp32 lanes per output, FMA, lane l taking k = l (mod 16), the fixed tree at
+ * the end (the bf16 matmul of an avx512 CPU without AVX512-BF16) */
 #define BLOCK_SETUP(T)                                                                                                 \
     const T *ar[RB], *bc[CB];                                                                                        \
     for (int r = 0; r < RB; r++) ar[r] = a + (r < ra ? r : ra - 1) * K;                                              \
@@ -92,27 +93,6 @@ static inline float f32_store(float f) { return f; }
             _mm512_storeu_ps(lanes, acc[r][c]);                                                                      \
             out[r][c] = lanes_sum(lanes);                                                                            \
         }
-
-static void dots_f32(const float *a, const float *b, long ra, long cb, long K, float out[RB][CB]) {
-    BLOCK_SETUP(float)
-    long k = 0;
-    for (; k + LANES <= K; k += LANES) {
-        __m512 av[RB], bv[CB];
-        for (int r = 0; r < RB; r++) av[r] = _mm512_loadu_ps(ar[r] + k);
-        for (int c = 0; c < CB; c++) bv[c] = _mm512_loadu_ps(bc[c] + k);
-        for (int r = 0; r < RB; r++)
-            for (int c = 0; c < CB; c++) acc[r][c] = _mm512_fmadd_ps(av[r], bv[c], acc[r][c]);
-    }
-    if (k < K) {
-        __mmask16 m = (__mmask16)((1u << (K - k)) - 1);
-        __m512 av[RB], bv[CB];
-        for (int r = 0; r < RB; r++) av[r] = _mm512_maskz_loadu_ps(m, ar[r] + k);
-        for (int c = 0; c < CB; c++) bv[c] = _mm512_maskz_loadu_ps(m, bc[c] + k);
-        for (int r = 0; r < RB; r++)
-            for (int c = 0; c < CB; c++) acc[r][c] = _mm512_fmadd_ps(av[r], bv[c], acc[r][c]);
-    }
-    BLOCK_OUT
-}
 
 static inline __m512 widen16(const bf16 *p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
@@ -131,9 +111,9 @@ static void dots_bf16(const bf16 *a, const bf16 *b, long ra, long cb, long K, fl
     BLOCK_OUT
 }
 #else
-DOTS(dots_f32, float, f32_load)
 DOTS(dots_bf16, bf16, bf16_load)
 #endif
+DOTS(dots_f32, float, f32_load) /* on the avx512 path fp32 matmuls run packed (bi_fma_mm) */
 
 /* Tiles of RB x CB outputs; w's rows go in chunks of about CHUNK_BYTES (kept in L2 while every row block of x
  * passes over them). The tiling decides only where a sum is computed, never its order. */
@@ -207,59 +187,58 @@ MM(bi_mm_bf16, bf16, dots_bf16, bf16_store)
 ATTENTION(bi_attention, float, f32_load, f32_store)
 ATTENTION(bi_attention_bf16, bf16, bf16_load, bf16_store)
 
-/* Packed bf16 matmuls, where the build target has AVX512-BF16 (-march=native on such a CPU): on AMX tiles
- * (tdpbf16ps) where it has AMX too, else on vdpbf16ps lanes, with one packing and one blocking.
+/* Packed matmuls (the avx512 path): fp32 on FMA lanes; bf16 on AMX tiles (tdpbf16ps) where the CPU has AMX, else on
+ * vdpbf16ps lanes where it has AVX512-BF16. One packing and one blocking for the three.
  *
- *   bi_amx_mm, bi_dp_mm: z[r, c] = sum_k P[r, k] Q[c, k], written y[r * ysr + c * ysc] in bf16 (or fp32), for
- *              P [R, K] and Q [C, K] given by pointer, strides and dtype (fp32 or bf16: a cast is fused into the
- *              packing)
+ *   bi_fma_mm (fp32), bi_dp_mm, bi_amx_mm (bf16): z[r, c] = sum_k P[r, k] Q[c, k], written y[r * ysr + c * ysc],
+ *              for P [R, K], Q [C, K] and y of the kernel's dtype, given by pointer and strides; batched
  *
  * The caller lets P be either operand of a matmul (y = a b: P = a, Q = b^T, or P = b^T, Q = a with y transposed):
- * a bf16 product is exact in fp32, so z[r, c] is the same bits both ways. A P whose rows are bf16, K-contiguous
- * and K a multiple of 32 is read in place (a linear layer's weight, a row-major activation); anything else is
- * copied into a zero-padded [16-row blocks, K32] buffer, and Q always into the pair-interleaved (VNNI) tiles both
- * instructions take, fp32 operands rounded to bf16 on the way. Every z[r, c] is a sum over k = 0, 32, 64, ... in
- * that order: on AMX each tdpbf16ps adds its 32 products into the fp32 accumulator in the hardware's one order, on
- * vdpbf16ps column c's lane adds the pairs (k, k + 1) in k's order. The K range may be cut into chunks with the
- * accumulators kept in fp32 memory between them, which adds nothing. Rows and columns past R and C are zeros in a
- * tile of their own rows: so a row's result depends on nothing but its row, the other operand and K, whatever R,
- * C, the chunking or the thread count. */
-#if defined(SPEEDLLM_ISA_AVX512) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+ * a product is the same bits either way round, so z[r, c] is too. A P whose rows are K-contiguous, K a multiple of
+ * 32, is read in place (a linear layer's weight, a row-major activation); anything else is copied into a
+ * zero-padded [16-row blocks, K32] buffer, and Q always into tiles of 16 columns x 32 k: bf16 pair-interleaved
+ * (VNNI), the layout both bf16 instructions take, fp32 by k then column. Every z[r, c] sums over k in k's order:
+ * an FMA lane adds P[r, k] Q[c, k] one k at a time, a vdpbf16ps lane the pairs (k, k + 1), a tdpbf16ps its 32
+ * products in the hardware's one order. The K range may be cut into chunks with the accumulators kept in fp32
+ * memory between them, which adds nothing. Rows and columns past R and C are zeros in a tile of their own rows:
+ * so a row's result depends on nothing but its row, the other operand and K, whatever R, C, the chunking or the
+ * thread count. */
+#if defined(SPEEDLLM_ISA_AVX512) && defined(__AVX512BW__)
 #include <immintrin.h>
 
 #define KC 512            /* the K of one pass over the accumulators */
-#define QCOLS 1024        /* the columns of Q one pass keeps in L2 (QCOLS x KC bf16: 1 MiB) */
+#define QCOLS 1024        /* the columns of Q one pass keeps in L2 (QCOLS x KC: 1 MiB in bf16, 2 in fp32) */
 
-static inline bf16 element(const void *src, long at, int f32) {
-    return f32 ? bf16_store(((const float *)src)[at]) : ((const bf16 *)src)[at];
-}
+#define COPY_RAGGED(T)                                                                                                 \
+    for (long k = 0; k < K; k++)                                                                                     \
+        for (long r = 0; r < rows; r++) ((T *)block)[r * K32 + k] = ((const T *)p)[(b + r) * sr + k * sk];
 
-/* rows [r0, r1) of P as bf16 rows of K32 (zeros past R and K), 16 rows at a time: a P stored by columns (sr 1, the
- * transpose of a row-major matrix) is read a row of its storage at a time */
-static void pack_rows(const void *p, long sr, long sk, int f32, long R, long K, long K32, long r0, long r1,
-                      bf16 *dst, int threads) {
+/* rows [r0, r1) of P (elements of E bytes) as rows of K32 (zeros past R and K), 16 rows at a time: a P stored by
+ * columns (sr 1, the transpose of a row-major matrix) is read a row of its storage at a time */
+static void pack_rows(const void *p, long sr, long sk, long E, long R, long K, long K32, long r0, long r1, char *dst,
+                      int threads) {
     _Pragma("omp parallel for schedule(static) num_threads(threads)") for (long b = r0; b < r1; b += 16) {
-        bf16 *block = dst + (b - r0) * K32;
+        char *block = dst + (b - r0) * K32 * E;
         long rows = R - b < 16 ? (R - b > 0 ? R - b : 0) : 16;
-        memset(block, 0, 16 * K32 * sizeof(bf16));
+        memset(block, 0, 16 * K32 * E);
         if (sk == 1)
-            for (long r = 0; r < rows; r++)
-                for (long k = 0; k < K; k++) block[r * K32 + k] = element(p, (b + r) * sr + k, f32);
+            for (long r = 0; r < rows; r++) memcpy(block + r * K32 * E, (const char *)p + (b + r) * sr * E, K * E);
+        else if (E == 2)
+            COPY_RAGGED(bf16)
         else
-            for (long k = 0; k < K; k++)
-                for (long r = 0; r < rows; r++) block[r * K32 + k] = element(p, (b + r) * sr + k * sk, f32);
+            COPY_RAGGED(float)
     }
 }
 
-/* Q [C, K] into tiles [column block of 16][k block of 32][pair kp][column c][2]: element (c, 2 kp + j) at
- * kp * 32 + 2 c + j, the layout tdpbf16ps takes for its second source */
-static void pack_pairs(const void *q, long sc, long sk, int f32, long C, long K, long KB, bf16 *dst, int threads) {
+/* bf16 Q [C, K] into tiles [column block of 16][k block of 32][pair kp][column c][2]: element (c, 2 kp + j) at
+ * kp * 32 + 2 c + j, the layout tdpbf16ps and vdpbf16ps take for their second source */
+static void pack_pairs(const bf16 *q, long sc, long sk, long C, long K, long KB, bf16 *dst, int threads) {
     long blocks = (C + 15) / 16;
     _Pragma("omp parallel for schedule(static) num_threads(threads)") for (long t = 0; t < blocks * KB; t++) {
         long cb = t / KB, kb = t % KB, c0 = cb * 16, k0 = kb * 32;
         bf16 *tile = dst + t * 512;
-        if (!f32 && c0 + 16 <= C && k0 + 32 <= K) { /* a whole tile of bf16: plain moves, the layout's two cases */
-            const bf16 *src = (const bf16 *)q + c0 * sc + k0 * sk;
+        if (c0 + 16 <= C && k0 + 32 <= K) { /* a whole tile: plain moves, the layout's two cases */
+            const bf16 *src = q + c0 * sc + k0 * sk;
             if (sk == 1) { /* rows of K: a 16 x 16 transpose of bf16 pairs */
                 uint32_t *t32 = (uint32_t *)tile;
                 for (long c = 0; c < 16; c++)
@@ -277,8 +256,25 @@ static void pack_pairs(const void *q, long sc, long sk, int f32, long C, long K,
             for (long c = 0; c < 16; c++)
                 for (long j = 0; j < 2; j++) {
                     long col = c0 + c, k = k0 + 2 * kp + j;
-                    tile[kp * 32 + 2 * c + j] = col < C && k < K ? element(q, col * sc + k * sk, f32) : 0;
+                    tile[kp * 32 + 2 * c + j] = col < C && k < K ? q[col * sc + k * sk] : 0;
                 }
+    }
+}
+
+/* fp32 Q [C, K] into tiles [column block of 16][k block of 32][k][column c]: a k's 16 columns are one vector */
+static void pack_cols(const float *q, long sc, long sk, long C, long K, long KB, float *dst, int threads) {
+    long blocks = (C + 15) / 16;
+    _Pragma("omp parallel for schedule(static) num_threads(threads)") for (long t = 0; t < blocks * KB; t++) {
+        long c0 = t / KB * 16, k0 = t % KB * 32;
+        float *tile = dst + t * 512;
+        if (sk == 1) /* rows of K: read each column's k run */
+            for (long c = 0; c < 16; c++)
+                for (long kk = 0; kk < 32; kk++)
+                    tile[kk * 16 + c] = c0 + c < C && k0 + kk < K ? q[(c0 + c) * sc + k0 + kk] : 0.0f;
+        else
+            for (long kk = 0; kk < 32; kk++)
+                for (long c = 0; c < 16; c++)
+                    tile[kk * 16 + c] = c0 + c < C && k0 + kk < K ? q[(c0 + c) * sc + (k0 + kk) * sk] : 0.0f;
     }
 }
 
@@ -304,48 +300,63 @@ static inline void write_row(const float *o, void *y, long at, long step, long n
     }
 }
 
-/* One block of 2 x 2 tiles of 16 x 16 outputs (P's 16-row blocks pa[i], i < na, row stride ps[i]; Q's column
- * tiles q[j], j < nb) over k in [k0, k1): the sums start at zero (first) or from acc (row stride as floats), and
- * end in acc, or in out[2 i + j] on the K range's last pass */
-typedef void block_fn(const bf16 *const pa[2], const long ps[2], long na, const bf16 *const q[2], long nb, long k0,
+/* One block of 2 x 2 tiles of 16 x 16 outputs (P's 16-row blocks pa[i], i < na, row stride ps[i] elements; Q's
+ * column tiles q[j], j < nb) over k in [k0, k1): the sums start at zero (first) or from acc (row stride as
+ * floats), and end in acc, or in out[2 i + j] on the K range's last pass */
+typedef void block_fn(const void *const pa[2], const long ps[2], long na, const void *const q[2], long nb, long k0,
                       long k1, int first, int last, float *acc, long as, float out[4][256]);
 
-/* vdpbf16ps: 8 rows x 16 NB columns at a time (8 NB accumulators), a row's pair (k, k + 1) broadcast to 16 lanes */
-static inline __attribute__((always_inline)) void dp_rows(const bf16 *const row[8], const bf16 *const q[2], int nb,
-                                                          long k0, long k1, int first, int last, float *acc, long as,
-                                                          float *out0, float *out1) {
-    __m512 s[8][2];
-    for (int r = 0; r < 8; r++)
-        for (int j = 0; j < nb; j++) s[r][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + r * as + j * 16);
-    for (long k = k0; k < k1; k += 2) {
-        long t = k / 32 * 512 + k % 32 * 16; /* pair (k % 32) / 2 of tile k / 32 */
-        __m512bh b[2];
-        for (int j = 0; j < nb; j++) b[j] = (__m512bh)_mm512_load_si512(q[j] + t);
-        for (int r = 0; r < 8; r++) {
-            int32_t pair;
-            memcpy(&pair, row[r] + k, sizeof pair);
-            __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-            for (int j = 0; j < nb; j++) s[r][j] = _mm512_dpbf16_ps(s[r][j], a, b[j]);
-        }
+/* 8 rows x 16 nb columns at a time (8 nb accumulators): per STEP of k, Q's vector of each column tile and a row's
+ * STEP elements broadcast to 16 lanes (BROADCAST), MADD'ed in */
+#define ROWS(NAME, T, V, STEP, LOAD, BROADCAST, MADD)                                                                  \
+    static inline __attribute__((always_inline)) void NAME(const T *const row[8], const T *const q[2], int nb,        \
+                                                           long k0, long k1, int first, int last, float *acc,        \
+                                                           long as, float *out0, float *out1) {                      \
+        __m512 s[8][2];                                                                                              \
+        for (int r = 0; r < 8; r++)                                                                                  \
+            for (int j = 0; j < nb; j++)                                                                             \
+                s[r][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + r * as + j * 16);                       \
+        for (long k = k0; k < k1; k += STEP) {                                                                       \
+            long t = k / 32 * 512 + k % 32 * 16; /* k's vector (pair) in tile k / 32 */                             \
+            V b[2];                                                                                                  \
+            for (int j = 0; j < nb; j++) b[j] = LOAD(q[j] + t);                                                      \
+            for (int r = 0; r < 8; r++) {                                                                            \
+                V a = BROADCAST(row[r] + k);                                                                         \
+                for (int j = 0; j < nb; j++) s[r][j] = MADD(s[r][j], a, b[j]);                                       \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (int r = 0; r < 8; r++)                                                                                  \
+            for (int j = 0; j < nb; j++)                                                                             \
+                _mm512_store_ps(last ? (j ? out1 : out0) + r * 16 : acc + r * as + j * 16, s[r][j]);                 \
+    }                                                                                                                \
+    static void block_##NAME(const void *const pa[2], const long ps[2], long na, const void *const qv[2], long nb,  \
+                             long k0, long k1, int first, int last, float *acc, long as, float out[4][256]) {        \
+        const T *q[2] = {qv[0], qv[1]};                                                                              \
+        for (long i = 0; i < na; i++)                                                                                \
+            for (long h = 0; h < 16; h += 8) {                                                                       \
+                const T *row[8];                                                                                     \
+                for (int r = 0; r < 8; r++) row[r] = (const T *)pa[i] + (h + r) * ps[i];                             \
+                float *a = acc ? acc + (i * 16 + h) * as : NULL, *o0 = out[i * 2] + h * 16;                          \
+                if (nb == 2)                                                                                         \
+                    NAME(row, q, 2, k0, k1, first, last, a, as, o0, o0 + 256);                                       \
+                else                                                                                                 \
+                    NAME(row, q, 1, k0, k1, first, last, a, as, o0, o0 + 256);                                       \
+            }                                                                                                        \
     }
-    for (int r = 0; r < 8; r++)
-        for (int j = 0; j < nb; j++)
-            _mm512_store_ps(last ? (j ? out1 : out0) + r * 16 : acc + r * as + j * 16, s[r][j]);
-}
 
-static void block_dp(const bf16 *const pa[2], const long ps[2], long na, const bf16 *const q[2], long nb, long k0,
-                     long k1, int first, int last, float *acc, long as, float out[4][256]) {
-    for (long i = 0; i < na; i++)
-        for (long h = 0; h < 16; h += 8) {
-            const bf16 *row[8];
-            for (int r = 0; r < 8; r++) row[r] = pa[i] + (h + r) * ps[i];
-            float *a = acc ? acc + (i * 16 + h) * as : NULL, *o0 = out[i * 2] + h * 16, *o1 = out[i * 2 + 1] + h * 16;
-            if (nb == 2)
-                dp_rows(row, q, 2, k0, k1, first, last, a, as, o0, o1);
-            else
-                dp_rows(row, q, 1, k0, k1, first, last, a, as, o0, o1);
-        }
+static inline __m512 broadcast_f32(const float *x) { return _mm512_set1_ps(*x); }
+static inline __m512 madd_f32(__m512 s, __m512 a, __m512 b) { return _mm512_fmadd_ps(a, b, s); }
+ROWS(fma_rows, float, __m512, 1, _mm512_load_ps, broadcast_f32, madd_f32)
+
+#if defined(__AVX512BF16__)
+static inline __m512bh load_pairs(const bf16 *x) { return (__m512bh)_mm512_load_si512(x); }
+static inline __m512bh broadcast_pair(const bf16 *x) {
+    int32_t pair;
+    memcpy(&pair, x, sizeof pair);
+    return (__m512bh)_mm512_set1_epi32(pair);
 }
+ROWS(dp_rows, bf16, __m512bh, 2, load_pairs, broadcast_pair, _mm512_dpbf16_ps)
+#endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
@@ -374,8 +385,9 @@ static void tiles_configure(void) { /* 0-3: accumulators, 4-5: P, 6-7: Q; every 
 }
 
 /* AMX: tiles 0-3 the 2 x 2 accumulators, 4-5 P's rows, 6-7 Q's columns, one tdpbf16ps per 32 k */
-static void block_amx(const bf16 *const pa[2], const long ps[2], long na, const bf16 *const q[2], long nb, long k0,
+static void block_amx(const void *const p[2], const long ps[2], long na, const void *const qv[2], long nb, long k0,
                       long k1, int first, int last, float *acc, long as, float out[4][256]) {
+    const bf16 *pa[2] = {p[0], p[1]}, *q[2] = {qv[0], qv[1]};
     long ab = as * (long)sizeof(float);
     if (first) {
         _tile_zero(0);
@@ -417,20 +429,22 @@ static void block_amx(const bf16 *const pa[2], const long ps[2], long na, const 
 }
 #endif
 
-static void packed_mm(block_fn *block, int amx, const void *p, long spr, long spk, int p_f32, const void *q,
-                      long sqc, long sqk, int q_f32, void *y, long ysr, long ysc, int y_f32, long R, long C, long K,
-                      int threads) {
+/* E: element bytes (4 fp32, 2 bf16) of P, Q and y alike */
+static void packed_mm(block_fn *block, int amx, long E, const void *p, long spr, long spk, const void *q, long sqc,
+                      long sqk, void *y, long ysr, long ysc, long R, long C, long K, int threads) {
     long KB = (K + 31) / 32, K32 = KB * 32, NRB = (R + 15) / 16, NCB = (C + 15) / 16;
     long R16 = NRB * 16, C16 = NCB * 16;
-    bf16 *qp = aligned_alloc(64, NCB * KB * 512 * sizeof(bf16));
-    pack_pairs(q, sqc, sqk, q_f32, C, K, KB, qp, threads);
+    char *qp = aligned_alloc(64, NCB * KB * 512 * E);
+    if (E == 4)
+        pack_cols(q, sqc, sqk, C, K, KB, (float *)qp, threads);
+    else
+        pack_pairs(q, sqc, sqk, C, K, KB, (bf16 *)qp, threads);
     /* P in place where it can be; else (or for the last partial block of 16 rows) packed */
-    int direct = !p_f32 && spk == 1 && K % 32 == 0;
-    long packed_from = direct ? R / 16 * 16 : 0;
-    bf16 *pp = NULL;
+    long packed_from = spk == 1 && K % 32 == 0 ? R / 16 * 16 : 0;
+    char *pp = NULL;
     if (packed_from < R16) {
-        pp = aligned_alloc(64, (R16 - packed_from) * K32 * sizeof(bf16));
-        pack_rows(p, spr, spk, p_f32, R, K, K32, packed_from, R16, pp, threads);
+        pp = aligned_alloc(64, (R16 - packed_from) * K32 * E);
+        pack_rows(p, spr, spk, E, R, K, K32, packed_from, R16, pp, threads);
     }
     float *acc = KB * 32 > KC ? aligned_alloc(64, R16 * C16 * sizeof(float)) : NULL; /* between K chunks */
     long RP = (NRB + 1) / 2;
@@ -445,17 +459,17 @@ static void packed_mm(block_fn *block, int amx, const void *p, long spr, long sp
                 long c1 = c0 + QCOLS / 16 < NCB ? c0 + QCOLS / 16 : NCB;
                 _Pragma("omp for schedule(static)") for (long rp = 0; rp < RP; rp++) {
                     long rb = rp * 2, na = rb + 1 < NRB ? 2 : 1;
-                    const bf16 *pa[2];
+                    const void *pa[2];
                     long ps[2];
                     for (long i = 0; i < na; i++) {
                         long r = (rb + i) * 16;
                         int in_place = r < packed_from;
-                        pa[i] = in_place ? (const bf16 *)p + r * spr : pp + (r - packed_from) * K32;
+                        pa[i] = in_place ? (const char *)p + r * spr * E : pp + (r - packed_from) * K32 * E;
                         ps[i] = in_place ? spr : K32;
                     }
                     for (long cb = c0; cb < c1; cb += 2) {
                         long nb = cb + 1 < c1 ? 2 : 1;
-                        const bf16 *qt[2] = {qp + cb * KB * 512, qp + (cb + nb - 1) * KB * 512};
+                        const void *qt[2] = {qp + cb * KB * 512 * E, qp + (cb + nb - 1) * KB * 512 * E};
                         block(pa, ps, na, qt, nb, k0, k1, first, last, acc ? acc + rb * 16 * C16 + cb * 16 : NULL,
                               C16, out);
                         if (!last) continue;
@@ -468,11 +482,11 @@ static void packed_mm(block_fn *block, int amx, const void *p, long spr, long sp
                                     float col[16] __attribute__((aligned(64)));
                                     for (long c = 0; c < cn; c++) {
                                         for (long r = 0; r < 16; r++) col[r] = o[r * 16 + c];
-                                        write_row(col, y, r0 + (cc0 + c) * ysc, 1, rn, y_f32);
+                                        write_row(col, y, r0 + (cc0 + c) * ysc, 1, rn, E == 4);
                                     }
                                 } else {
                                     for (long r = 0; r < rn; r++)
-                                        write_row(o + r * 16, y, (r0 + r) * ysr + cc0 * ysc, ysc, cn, y_f32);
+                                        write_row(o + r * 16, y, (r0 + r) * ysr + cc0 * ysc, ysc, cn, E == 4);
                                 }
                             }
                     }
@@ -488,14 +502,20 @@ static void packed_mm(block_fn *block, int amx, const void *p, long spr, long sp
     free(acc);
 }
 
-#define PACKED_MM(NAME, BLOCK, AMX)                                                                                    \
-    void NAME(const void *p, long spr, long spk, int p_f32, const void *q, long sqc, long sqk, int q_f32, void *y,   \
-              long ysr, long ysc, int y_f32, long R, long C, long K, int threads) {                                  \
-        packed_mm(BLOCK, AMX, p, spr, spk, p_f32, q, sqc, sqk, q_f32, y, ysr, ysc, y_f32, R, C, K, threads);         \
+/* `batch` products back to back, P, Q and y of product i at i * (their batch stride) elements on */
+#define PACKED_MM(NAME, BLOCK, AMX, E)                                                                                 \
+    void NAME(const char *p, long spb, long spr, long spk, const char *q, long sqb, long sqc, long sqk, char *y,     \
+              long syb, long ysr, long ysc, long batch, long R, long C, long K, int threads) {                       \
+        for (long i = 0; i < batch; i++)                                                                             \
+            packed_mm(BLOCK, AMX, E, p + i * spb * E, spr, spk, q + i * sqb * E, sqc, sqk, y + i * syb * E, ysr,     \
+                      ysc, R, C, K, threads);                                                                        \
     }
 
-PACKED_MM(bi_dp_mm, block_dp, 0)
+PACKED_MM(bi_fma_mm, block_fma_rows, 0, 4)
+#if defined(__AVX512BF16__)
+PACKED_MM(bi_dp_mm, block_dp_rows, 0, 2)
+#endif
 #ifdef HAVE_AMX
-PACKED_MM(bi_amx_mm, block_amx, 1)
+PACKED_MM(bi_amx_mm, block_amx, 1, 2)
 #endif
 #endif

@@ -11,10 +11,11 @@ the hybrid models' sigmoid / SiLU / softplus / exp gates go through `elementwise
 runs token by token (speedllm.ops.cpu.chunk_gated_delta_rule).
 Other dtypes than fp32 and bf16 are products summed by torch.sum (rare: nothing of the model's).
 
-The bf16 matmuls run on packed operands where the CPU has AVX512-BF16: on AMX tiles where it has AMX (`bi_amx_mm`,
-tdpbf16ps), else on vdpbf16ps lanes (`bi_dp_mm`); elsewhere on fp32 lanes (`bi_mm_bf16`). Each path has its own
-fixed order, so a machine's bits are its path's. Setting SPEEDLLM_CPU_ISA (any path) leaves AMX out, which is how
-its twins are tested on an AMX machine.
+On the avx512 path the matmuls run on packed operands (a row's k broadcast against a tile of 16 columns): fp32 on
+FMA lanes (`bi_fma_mm`), bf16 on AMX tiles where the CPU has AMX (`bi_amx_mm`, tdpbf16ps), else on vdpbf16ps lanes
+where it has AVX512-BF16 (`bi_dp_mm`); elsewhere on the dot products' lanes (`bi_mm`, `bi_mm_bf16`). Each path has
+its own fixed order, so a machine's bits are its path's. Setting SPEEDLLM_CPU_ISA (any path) leaves AMX out, which
+is how its twins are tested on an AMX machine.
 """
 
 import contextlib
@@ -32,7 +33,7 @@ SOURCE = Path(__file__).with_name("batch_invariant.c")
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 _MM = (_P, _P, _P, _L, _L, _L, _L, _I)
 _ATTENTION = (_P,) * 5 + (_L,) * 6 + (ctypes.c_float, _I)
-_PACKED_MM = (_P, _L, _L, _I) * 2 + (_P, _L, _L, _I) + (_L, _L, _L, _I)
+_PACKED_MM = (_P, _L, _L, _L) * 3 + (_L, _L, _L, _L, _I)
 _SUFFIX = {torch.float32: "", torch.bfloat16: "_bf16"}
 _active = False
 
@@ -67,11 +68,13 @@ def _amx_grant(path: str) -> str:
     return ""
 
 
-def _packed_kernel() -> str:
-    """The packed bf16 matmul here: bi_amx_mm (AMX tiles), bi_dp_mm (AVX512-BF16) or "" (bi_mm_bf16's fp32 lanes)."""
-    if not amx_missing():
+def _packed_kernel(dtype=torch.bfloat16) -> str:
+    """The packed matmul of `dtype` here (the avx512 path): fp32 bi_fma_mm; bf16 bi_amx_mm (AMX tiles), else
+    bi_dp_mm (AVX512-BF16); "" where there is none (bi_mm's and bi_mm_bf16's lanes run)."""
+    if dtype == torch.bfloat16 and not amx_missing():
         return "bi_amx_mm"
-    return "bi_dp_mm" if _built(isa(), "bi_dp_mm") else ""
+    name = {torch.float32: "bi_fma_mm", torch.bfloat16: "bi_dp_mm"}.get(dtype)
+    return name if name and _built(isa(), name) else ""
 
 
 @functools.cache
@@ -114,11 +117,10 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if not _supported(a, b):
         return (a[..., None] * b[:, None]).sum(2)  # no matmul: the mode replaces them
     (B, M, K), N = a.shape, b.shape[2]
-    kernel = a.dtype == torch.bfloat16 and B and M and N and K and _packed_kernel()
+    kernel = B and M and N and K and _packed_kernel(a.dtype)
     if kernel:
         y = torch.empty(B, M, N, dtype=a.dtype)
-        for i in range(B):
-            _packed_mm(kernel, a[i], b[i], y[i], _threads(M * N * K))
+        _packed_mm(kernel, a, b, y, _threads(M * N * K))
         return y
     x, w = a.contiguous(), b.transpose(1, 2).contiguous()  # w [B, N, K]: a linear weight's own layout, no copy
     y = torch.empty(B, M, N, dtype=a.dtype)
@@ -130,22 +132,21 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _packed_mm(kernel: str, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor, threads: int) -> None:
-    """y [M, N] (contiguous bf16) = a [M, K] @ b [K, N] by `kernel` (bi_amx_mm or bi_dp_mm), a and b in any strides.
-    The kernel computes P Q^T for P [R, K], Q [C, K]: P = a and Q = b^T, or P = b^T and Q = a with y written
-    transposed, the same bits either way (bf16 products are exact in fp32): the one with the least copying, P read
-    in place where it can be (bf16, rows contiguous, K a multiple of 32)."""
-    (M, K), N = a.shape, b.shape[1]
-    bt = b.t()
+    """y [B, M, N] (contiguous) = a [B, M, K] @ b [B, K, N] by packed `kernel`, a, b and y of its dtype, a and b in
+    any strides, one product after another. The kernel computes P Q^T for P [R, K], Q [C, K]: P = a and Q = b^T, or P = b^T and Q = a with y
+    written transposed, the same bits either way (a product is the same either way round): the one with the least
+    copying, P read in place where it can be (rows contiguous, K a multiple of 32)."""
+    (B, M, K), N = a.shape, b.shape[2]
+    bt = b.transpose(1, 2)
 
     def p_cost(t):  # elements copied (a transposing copy counted 4x) to use t as P
-        in_place = t.dtype == torch.bfloat16 and t.stride(1) == 1 and K % 32 == 0
-        return 0 if in_place else t.numel() * (1 if t.stride(1) == 1 else 4)
+        in_place = t.stride(2) == 1 and K % 32 == 0
+        return 0 if in_place else t.numel() * (1 if t.stride(2) == 1 else 4)
 
-    swap = p_cost(bt) + a.numel() + 2 * M * N < p_cost(a) + bt.numel()
+    swap = p_cost(bt) + a.numel() + 2 * B * M * N < p_cost(a) + bt.numel()
     (p, q), (ysr, ysc) = ((bt, a), (1, N)) if swap else ((a, bt), (N, 1))
-    _kernel(kernel, None, _PACKED_MM)(
-        p.data_ptr(), *p.stride(), p.dtype == torch.float32, q.data_ptr(), *q.stride(), q.dtype == torch.float32,
-        y.data_ptr(), ysr, ysc, 0, p.shape[0], q.shape[0], K, threads)
+    _kernel(kernel, None, _PACKED_MM)(p.data_ptr(), *p.stride(), q.data_ptr(), *q.stride(), y.data_ptr(), M * N, ysr,
+                                      ysc, B, p.shape[1], q.shape[1], K, threads)
 
 
 def _mm_out(a, b, *, out):
