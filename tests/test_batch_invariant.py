@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from speedllm.native import compile_command, cpu_features, supported_isas
+from speedllm.native import c_function, compile_command, cpu_features, supported_isas
 from speedllm.ops import batch_invariant as bi
 from speedllm.ops import cpu
 from speedllm.ops.reference import attention_math
@@ -107,8 +107,8 @@ def test_the_lower_kernel_paths_are_batch_invariant_too(path):
 def test_packed_matmul_rows_do_not_depend_on_batch_layout_or_tails(dtype):
     """The packed kernels (fp32 FMA; bf16 AMX tiles, else vdpbf16ps): K tails (33, past the 512-deep chunk at
     1100), columns past one L2 pass (1040), operands in any layout (a row-major or transposed, b a linear weight's
-    transpose or row-major), so either operand takes the first role: a row among M equals the row alone, bit for bit, against
-    float64 at the dtype's rounding."""
+    transpose or row-major), so either operand takes the first role: a row among M equals the row alone, bit for
+    bit, against float64 at the dtype's rounding."""
     if not bi._packed_kernel(dtype):
         pytest.skip(f"no packed {dtype} matmul here (avx512 path only; bf16: {bi.bf16_path()})")
     check_packed_matmul(dtype)
@@ -126,7 +126,8 @@ def test_the_amx_kernel_on_emulated_tiles(tmp_path, monkeypatch):
     kernel = ctypes.CDLL(str(library)).bi_amx_mm
     kernel.argtypes, kernel.restype = bi._PACKED_MM, None
     monkeypatch.setattr(bi, "_packed_kernel", lambda dtype: "bi_amx_mm" if dtype == torch.bfloat16 else "")
-    monkeypatch.setattr(bi, "_kernel", lambda name, dtype, argtypes: kernel)
+    monkeypatch.setattr(bi, "c_function", lambda source, name, argtypes: kernel if name == "bi_amx_mm" else
+                        c_function(source, name, argtypes))
     check_packed_matmul(torch.bfloat16)
 
 

@@ -38,8 +38,8 @@ _SUFFIX = {torch.float32: "", torch.bfloat16: "_bf16"}
 _active = False
 
 
-def _kernel(name: str, dtype, argtypes: tuple):
-    return c_function(SOURCE, name + _SUFFIX.get(dtype, ""), argtypes)
+def _kernel(name: str, dtype: torch.dtype, argtypes: tuple):
+    return c_function(SOURCE, name + _SUFFIX[dtype], argtypes)
 
 
 def available() -> bool:
@@ -133,9 +133,9 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _packed_mm(kernel: str, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor, threads: int) -> None:
     """y [B, M, N] (contiguous) = a [B, M, K] @ b [B, K, N] by packed `kernel`, a, b and y of its dtype, a and b in
-    any strides, one product after another. The kernel computes P Q^T for P [R, K], Q [C, K]: P = a and Q = b^T, or P = b^T and Q = a with y
-    written transposed, the same bits either way (a product is the same either way round): the one with the least
-    copying, P read in place where it can be (rows contiguous, K a multiple of 32)."""
+    any strides, one product after another. The kernel computes P Q^T for P [R, K], Q [C, K]: P = a and Q = b^T,
+    or P = b^T and Q = a with y written transposed, the same bits either way (a product is the same either way
+    round): the one with the least copying, P read in place where it can be (rows contiguous, K a multiple of 32)."""
     (B, M, K), N = a.shape, b.shape[2]
     bt = b.transpose(1, 2)
 
@@ -145,8 +145,8 @@ def _packed_mm(kernel: str, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor, t
 
     swap = p_cost(bt) + a.numel() + 2 * B * M * N < p_cost(a) + bt.numel()
     (p, q), (ysr, ysc) = ((bt, a), (1, N)) if swap else ((a, bt), (N, 1))
-    _kernel(kernel, None, _PACKED_MM)(p.data_ptr(), *p.stride(), q.data_ptr(), *q.stride(), y.data_ptr(), M * N, ysr,
-                                      ysc, B, p.shape[1], q.shape[1], K, threads)
+    c_function(SOURCE, kernel, _PACKED_MM)(p.data_ptr(), *p.stride(), q.data_ptr(), *q.stride(), y.data_ptr(),
+                                           M * N, ysr, ysc, B, p.shape[1], q.shape[1], K, threads)
 
 
 def _mm_out(a, b, *, out):
