@@ -15,15 +15,14 @@ SPEEDLLM_CPU_ISA. The peak is speedllm.hardware's GEMM probe of --dtype (torch.m
 per machine).
 """
 
-import os
 import statistics
 import time
 
 import torch
 
-from benchmarks.common import CONFIGS, interleaved, make_parser, parse
+from benchmarks.common import CONFIGS, interleaved, make_parser, on_path, parse
 from speedllm.hardware import cpu_probe
-from speedllm.native import ISA_ENV, cpu_name, supported_isas
+from speedllm.native import cpu_name, supported_isas
 from speedllm.ops import batch_invariant as bi
 
 
@@ -42,20 +41,6 @@ def operand(rows: int, cols: int, layout: str, dtype, gen) -> torch.Tensor:
     if layout == "t":
         return torch.randn(cols, rows, generator=gen).to(dtype).t()
     return torch.randn(rows, cols, generator=gen).to(dtype)
-
-
-def on_path(path: str, fn):
-    def run():
-        saved = os.environ.pop(ISA_ENV, None)
-        if path != "native":
-            os.environ[ISA_ENV] = path
-        try:
-            return fn()
-        finally:
-            os.environ.pop(ISA_ENV, None)
-            if saved is not None:
-                os.environ[ISA_ENV] = saved
-    return run
 
 
 def main(argv=None) -> None:

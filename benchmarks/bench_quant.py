@@ -19,18 +19,17 @@ supports, the others are forced with SPEEDLLM_CPU_ISA, switched between runs in 
 turns with the same fp32 row; the header names the CPU and its paths. --dry: the `tiny` size, batch 1.
 """
 
-import os
-
 import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from benchmarks.common import CLOCKS, CONFIGS, decode_rates, hf_greedy, make_parser, ours_greedy, parse
+from benchmarks.common import (CLOCKS, CONFIGS, decode_rates, hf_greedy, make_parser, on_path, ours_greedy,
+                               parse)
 from speedllm.config.schema import QuantConfig
 from speedllm.models import Qwen3, num_params
 from speedllm.models.config import ModelConfig
 from speedllm.models.hf_adapter import from_hf_state_dict, hf_config
-from speedllm.native import ISA_ENV, cpu_name, supported_isas
+from speedllm.native import cpu_name, supported_isas
 from speedllm.paths import CONF
 from speedllm.quant import QUANTIZED, quantize_for_inference
 from speedllm.quant.int8 import quantize_int8
@@ -47,21 +46,6 @@ SIZES = {
 def model_cfg(size: str):
     fields = SIZES[size] or OmegaConf.load(CONF / "model" / "qwen3_0.6b.yaml")
     return OmegaConf.merge(OmegaConf.structured(ModelConfig), fields)
-
-
-def on_path(path: str, generate):
-    """generate on CPU kernel path `path` ("native": SPEEDLLM_CPU_ISA unset)."""
-    def run(prompt, n):
-        saved = os.environ.pop(ISA_ENV, None)
-        if path != "native":
-            os.environ[ISA_ENV] = path
-        try:
-            return generate(prompt, n)
-        finally:
-            os.environ.pop(ISA_ENV, None)
-            if saved is not None:
-                os.environ[ISA_ENV] = saved
-    return run
 
 
 def runners(cfg, paths=("native",), transformers=True):

@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 
 from benchmarks import name_of
 from speedllm.models.config import ModelConfig
+from speedllm.native import ISA_ENV
 from speedllm.paths import CONF
 
 REPO = Path(__file__).resolve().parents[1]  # the checkout these benchmarks belong to (launch.py, benchmarks/)
@@ -77,6 +78,22 @@ def interleaved(fns: dict, rounds: int, clock=time.perf_counter, warmup: int = 0
             if i >= warmup:
                 times[name].append(seconds)
     return times, results
+
+
+def on_path(path: str, fn):
+    """`fn` (any arguments) run on CPU kernel path `path` (speedllm.native: "native" is SPEEDLLM_CPU_ISA unset, else
+    the path it forces), the variable restored after each call."""
+    def run(*args, **kwargs):
+        saved = os.environ.pop(ISA_ENV, None)
+        if path != "native":
+            os.environ[ISA_ENV] = path
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            os.environ.pop(ISA_ENV, None)
+            if saved is not None:
+                os.environ[ISA_ENV] = saved
+    return run
 
 
 # --- memory and processes
