@@ -125,9 +125,10 @@ def test_gdn_activation_bytes_are_what_autograd_saves(ops, dtype):
         mixer = Qwen3(m, ops=ops).to(torch_dtype).layers["0"].linear_attn
         x = torch.randn(2, 128, m.hidden_size, dtype=torch_dtype, requires_grad=True)
         kept = {p.untyped_storage().data_ptr() for p in mixer.parameters()} | {x.untyped_storage().data_ptr()}
-        saved = {}
+        saved, alive = {}, []
 
-        def pack(t):
+        def pack(t):  # holding each saved tensor: no storage freed mid-forward can be reused under another's address
+            alive.append(t)
             storage = t.untyped_storage()
             if storage.data_ptr() not in kept:
                 saved[storage.data_ptr()] = storage.nbytes()
