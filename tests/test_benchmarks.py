@@ -53,8 +53,9 @@ NEEDS = {"grpo": "trl", "qat_vs_ptq": "torchao", "qlora": "torchao", "quant": "t
 
 def run(*args, cwd):
     """`python -m benchmarks <args>` as a user runs it from the checkout (here: from `cwd`, the checkout on the
-    path, so that a benchmark's files land in the test's directory)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    path, so that a benchmark's files land in the test's directory), on one thread per process."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}  # a dry form checks the code path, not speed: no OpenMP threads fighting the other worker
     return subprocess.run([sys.executable, "-m", "benchmarks", *args], capture_output=True, text=True, cwd=cwd,
                           env=env, timeout=1800)
 
