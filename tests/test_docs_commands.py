@@ -278,7 +278,9 @@ def _benchmark_argv(words: list) -> list:
     return [sys.executable, *args[:end], "--dry" if dry else "--help", *args[end:]]
 
 
-def _run_serve(argv, env, cwd) -> tuple:
+def _run_serve(argv, env, cwd, attempts: int = 3) -> tuple:
+    """The server on a free port until /health answers, then SIGTERM; a port taken by another process between
+    _free_port() and the server's bind (the other xdist worker's ranks) is given up for a new one."""
     import httpx
 
     port = _free_port()
@@ -293,6 +295,8 @@ def _run_serve(argv, env, cwd) -> tuple:
     if proc.poll() is None:  # as the docs say a server stops; its ranks follow
         proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
+    if not healthy and "address already in use" in err and attempts > 1:
+        return _run_serve(argv, env, cwd, attempts - 1)
     assert healthy, f"the server never answered /health\n{out[-2000:]}{err[-3000:]}"
     return proc.returncode, out, err
 

@@ -51,17 +51,26 @@ def wait_healthy(url, proc, timeout=180):
 
 @contextlib.contextmanager
 def serving(path, *overrides):
-    """task=serve on the HF dir in a subprocess (its own session): (process, base url, openai client)."""
-    port = free_port()
-    # float32: answers are compared across batch compositions (bf16's rounding depends on them)
-    proc = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "task=serve", "model=hf", "hardware=cpu",
-                             "hardware.dtype=float32", f"checkpoint.load_hf={path}", f"serve.port={port}", f"serve.model_name={MODEL_ID}",
-                             "serve.max_batch=8", "serve.max_len=128", f"hydra.run.dir={path}/run", *overrides],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=path,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    """task=serve on the HF dir in a subprocess (its own session): (process, base url, openai client). A port
+    another process takes between free_port() and the server's bind (the other xdist worker's ranks) is given up
+    for a new one."""
+    for attempt in range(3):
+        port = free_port()
+        # float32: answers are compared across batch compositions (bf16's rounding depends on them)
+        proc = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "task=serve", "model=hf", "hardware=cpu",
+                                 "hardware.dtype=float32", f"checkpoint.load_hf={path}", f"serve.port={port}",
+                                 f"serve.model_name={MODEL_ID}", "serve.max_batch=8", "serve.max_len=128",
+                                 f"hydra.run.dir={path}/run", *overrides],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=path,
+                                start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, proc)
+            break
+        except AssertionError as err:
+            if "address already in use" not in str(err) or attempt == 2:
+                raise
     try:
-        wait_healthy(url, proc)
         yield proc, url, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
     finally:
         if proc.poll() is None:
