@@ -67,8 +67,11 @@ def serving(path, *overrides):
         try:
             wait_healthy(url, proc)
             break
-        except AssertionError as err:
-            if "address already in use" not in str(err) or attempt == 2:
+        except BaseException as err:
+            if proc.poll() is None:  # it never came up: stop it before going on
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+            if not isinstance(err, AssertionError) or "address already in use" not in str(err) or attempt == 2:
                 raise
     try:
         yield proc, url, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
