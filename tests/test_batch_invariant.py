@@ -108,7 +108,8 @@ def test_packed_matmul_rows_do_not_depend_on_batch_layout_or_tails(dtype):
     """The packed kernels (fp32 FMA; bf16 AMX tiles, else vdpbf16ps): K tails (33, past the 512-deep chunk at
     1100), columns past one L2 pass (1040), operands in any layout (a row-major or transposed, b a linear weight's
     transpose or row-major), so either operand takes the first role: a row among M equals the row alone, bit for
-    bit, against float64 at the dtype's rounding."""
+    bit, against float64 at the dtype's rounding; bf16: fp32 operands rounded as they are packed give the bits of
+    bf16 ones, and fp32 results the sums before the rounding."""
     if not bi._packed_kernel(dtype):
         pytest.skip(f"no packed {dtype} matmul here (avx512 path only; bf16: {bi.bf16_path()})")
     check_packed_matmul(dtype)
@@ -134,8 +135,8 @@ def test_the_amx_kernel_on_emulated_tiles(tmp_path, monkeypatch):
 def check_packed_matmul(dtype):
     gen = torch.Generator().manual_seed(0)
     for N, K in [(40, 33), (1040, 64), (96, 1100), (33, 1024)]:
-        x = torch.randn(64, K, generator=gen).to(dtype)
-        w = torch.randn(N, K, generator=gen).to(dtype)
+        x32, w32 = torch.randn(64, K, generator=gen), torch.randn(N, K, generator=gen)
+        x, w = x32.to(dtype), w32.to(dtype)
         layouts = [(x, w.t()), (x.t().contiguous().t(), w.t()), (x, w.t().contiguous()),
                    (x.t().contiguous().t(), w.t().contiguous())]
         full = bi.mm(x, w.t())
@@ -144,6 +145,13 @@ def check_packed_matmul(dtype):
             for m in (1, 17, 63):
                 assert torch.equal(bi.mm(a[m - 1:m], b), full[m - 1:m]), (N, K, m, a.stride(), b.stride())
                 assert torch.equal(bi.mm(a[:m], b), full[:m]), (N, K, m, a.stride(), b.stride())
+        if dtype == torch.bfloat16:  # fp32 operands rounded as they are packed; fp32 sums out, unrounded
+            for a, b in [(x32, w32.t()), (x32.t().contiguous().t(), w.t().contiguous()), (x, w32.t())]:
+                for m in (1, 17, 64):
+                    low, sums = torch.empty(1, m, N, dtype=dtype), torch.empty(1, m, N)
+                    bi.mixed_bmm(a[None, :m], b[None], low)
+                    bi.mixed_bmm(a[None, :m], b[None], sums)
+                    assert torch.equal(low[0], full[:m]) and torch.equal(sums[0].to(dtype), full[:m]), (N, K, m)
         expected = x.double() @ w.double().t()
         tol = 2e-6 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(full.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())

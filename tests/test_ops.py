@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speedllm.ops import get_ops, reference
+from speedllm.ops import batch_invariant, get_ops, reference
 from speedllm.ops.loss import chunked_cross_entropy
 
 pytestmark = pytest.mark.numerics
@@ -229,6 +229,33 @@ def test_grouped_mm_matches_per_expert_matmul(impl, device):
         return torch.stack([w[expert_of_row[r]] @ x[r] for r in rows.tolist()])
 
     check(lambda x, w: get_ops(impl).grouped_mm(x, w, counts), per_expert, [x, w], 1e-5)
+
+
+@pytest.mark.skipif(not batch_invariant.mixed_available(), reason="no packed bf16 kernel here (needs AMX or "
+                    "AVX512-BF16): the experts compute in their inputs' dtype, as the fp32 test above checks")
+def test_grouped_mm_under_bf16_autocast_runs_bf16_products_with_fp32_weight_gradients():
+    """The cpu op set's experts under bf16 autocast: bf16 outputs equal to the products of the bf16-rounded
+    operands (float64 reference, rounded once to bf16), input gradients in the inputs' dtype, and the weight
+    gradients in fp32 straight from the kernel: the float64 sums of bf16-rounded dy and x within fp32 rounding,
+    finer than bf16 (no cast of the weights or their gradients outside the kernel); an expert without rows gets
+    zeros."""
+    counts = torch.tensor([37, 0, 64, 3])
+    x, w = rand(104, 96).requires_grad_(), rand(4, 40, 96).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = get_ops("cpu").grouped_mm(x, w, counts)
+    dy = rand(*y.shape).bfloat16()
+    y.backward(dy)
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == w.grad.dtype == torch.float32
+    rounded = lambda t: t.detach().bfloat16().double()  # noqa: E731
+    expert = torch.repeat_interleave(torch.arange(4), counts)
+    y_ref = torch.einsum("nd,nod->no", rounded(x), rounded(w)[expert])
+    dx_ref = torch.einsum("no,nod->nd", dy.double(), rounded(w)[expert])
+    dw_ref = torch.stack([dy[expert == e].double().t() @ rounded(x)[expert == e] for e in range(4)])
+    assert ((y.double() - y_ref).abs() <= 2 ** -8 * y_ref.abs() + 1e-5 * y_ref.abs().max()).all()  # bf16 rounding
+    torch.testing.assert_close(x.grad.double(), dx_ref, rtol=1e-5, atol=1e-5 * dx_ref.abs().max().item())
+    torch.testing.assert_close(w.grad.double(), dw_ref, rtol=1e-5, atol=1e-5 * dw_ref.abs().max().item())
+    assert torch.equal(w.grad[1], torch.zeros(40, 96))
+    assert not torch.equal(w.grad, w.grad.bfloat16().float())  # fp32 sums, not rounded to bf16
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -209,57 +209,68 @@ ATTENTION(bi_attention_bf16, bf16, bf16_load, bf16_store)
 #define KC 512            /* the K of one pass over the accumulators */
 #define QCOLS 1024        /* the columns of Q one pass keeps in L2 (QCOLS x KC: 1 MiB in bf16, 2 in fp32) */
 
-#define COPY_RAGGED(T)                                                                                                 \
+#define COPY_RAGGED(T, S, CVT)                                                                                         \
     for (long k = 0; k < K; k++)                                                                                     \
-        for (long r = 0; r < rows; r++) ((T *)block)[r * K32 + k] = ((const T *)p)[(b + r) * sr + k * sk];
+        for (long r = 0; r < rows; r++) ((T *)block)[r * K32 + k] = CVT(((const S *)p)[(b + r) * sr + k * sk]);
 
-/* rows [r0, r1) of P (elements of E bytes) as rows of K32 (zeros past R and K), 16 rows at a time: a P stored by
- * columns (sr 1, the transpose of a row-major matrix) is read a row of its storage at a time */
-static void pack_rows(const void *p, long sr, long sk, long E, long R, long K, long K32, long r0, long r1, char *dst,
-                      int threads) {
+static inline bf16 bf16_keep(bf16 h) { return h; }
+static inline float f32_keep(float f) { return f; }
+
+/* rows [r0, r1) of P (elements of EP bytes) as rows of K32 elements of E bytes (zeros past R and K), 16 rows at a
+ * time, fp32 rounded to bf16 where E is 2 and EP 4 (the cast fused into the packing); a P stored by columns (sr 1,
+ * the transpose of a row-major matrix) is read a row of its storage at a time */
+static void pack_rows(const void *p, long sr, long sk, long EP, long E, long R, long K, long K32, long r0, long r1,
+                      char *dst, int threads) {
     _Pragma("omp parallel for schedule(static) num_threads(threads)") for (long b = r0; b < r1; b += 16) {
         char *block = dst + (b - r0) * K32 * E;
         long rows = R - b < 16 ? (R - b > 0 ? R - b : 0) : 16;
         memset(block, 0, 16 * K32 * E);
-        if (sk == 1)
+        if (sk == 1 && EP == E)
             for (long r = 0; r < rows; r++) memcpy(block + r * K32 * E, (const char *)p + (b + r) * sr * E, K * E);
+        else if (EP != E)
+            COPY_RAGGED(bf16, float, bf16_store)
         else if (E == 2)
-            COPY_RAGGED(bf16)
+            COPY_RAGGED(bf16, bf16, bf16_keep)
         else
-            COPY_RAGGED(float)
+            COPY_RAGGED(float, float, f32_keep)
     }
 }
 
-/* bf16 Q [C, K] into tiles [column block of 16][k block of 32][pair kp][column c][2]: element (c, 2 kp + j) at
- * kp * 32 + 2 c + j, the layout tdpbf16ps and vdpbf16ps take for their second source */
-static void pack_pairs(const bf16 *q, long sc, long sk, long C, long K, long KB, bf16 *dst, int threads) {
-    long blocks = (C + 15) / 16;
-    _Pragma("omp parallel for schedule(static) num_threads(threads)") for (long t = 0; t < blocks * KB; t++) {
-        long cb = t / KB, kb = t % KB, c0 = cb * 16, k0 = kb * 32;
-        bf16 *tile = dst + t * 512;
-        if (c0 + 16 <= C && k0 + 32 <= K) { /* a whole tile: plain moves, the layout's two cases */
-            const bf16 *src = q + c0 * sc + k0 * sk;
-            if (sk == 1) { /* rows of K: a 16 x 16 transpose of bf16 pairs */
-                uint32_t *t32 = (uint32_t *)tile;
-                for (long c = 0; c < 16; c++)
-                    for (long kp = 0; kp < 16; kp++) memcpy(t32 + kp * 16 + c, src + c * sc + 2 * kp, 4);
-            } else { /* columns in rows of C (sc == 1 the common case): interleave two rows of k */
-                for (long kp = 0; kp < 16; kp++)
-                    for (long c = 0; c < 16; c++) {
-                        tile[kp * 32 + 2 * c] = src[2 * kp * sk + c * sc];
-                        tile[kp * 32 + 2 * c + 1] = src[(2 * kp + 1) * sk + c * sc];
-                    }
-            }
-            continue;
-        }
-        for (long kp = 0; kp < 16; kp++)
-            for (long c = 0; c < 16; c++)
-                for (long j = 0; j < 2; j++) {
-                    long col = c0 + c, k = k0 + 2 * kp + j;
-                    tile[kp * 32 + 2 * c + j] = col < C && k < K ? q[col * sc + k * sk] : 0;
-                }
+/* Q [C, K] (bf16, or fp32 rounded to bf16 as it is packed) into tiles [column block of 16][k block of 32][pair kp]
+ * [column c][2]: element (c, 2 kp + j) at kp * 32 + 2 c + j, the layout tdpbf16ps and vdpbf16ps take for their
+ * second source */
+#define PACK_PAIRS(NAME, S, CVT)                                                                                       \
+    static void NAME(const S *q, long sc, long sk, long C, long K, long KB, bf16 *dst, int threads) {                \
+        long blocks = (C + 15) / 16;                                                                                 \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)") for (long t = 0; t < blocks * KB; t++) {   \
+            long cb = t / KB, kb = t % KB, c0 = cb * 16, k0 = kb * 32;                                               \
+            bf16 *tile = dst + t * 512;                                                                              \
+            if (c0 + 16 <= C && k0 + 32 <= K) { /* a whole tile: the layout's two cases */                          \
+                const S *src = q + c0 * sc + k0 * sk;                                                                \
+                if (sk == 1) /* rows of K: a 16 x 16 transpose of pairs */                                          \
+                    for (long c = 0; c < 16; c++)                                                                    \
+                        for (long kp = 0; kp < 16; kp++) {                                                           \
+                            tile[kp * 32 + 2 * c] = CVT(src[c * sc + 2 * kp]);                                       \
+                            tile[kp * 32 + 2 * c + 1] = CVT(src[c * sc + 2 * kp + 1]);                               \
+                        }                                                                                            \
+                else /* columns in rows of C (sc == 1 the common case): interleave two rows of k */                 \
+                    for (long kp = 0; kp < 16; kp++)                                                                 \
+                        for (long c = 0; c < 16; c++) {                                                              \
+                            tile[kp * 32 + 2 * c] = CVT(src[2 * kp * sk + c * sc]);                                  \
+                            tile[kp * 32 + 2 * c + 1] = CVT(src[(2 * kp + 1) * sk + c * sc]);                        \
+                        }                                                                                            \
+                continue;                                                                                            \
+            }                                                                                                        \
+            for (long kp = 0; kp < 16; kp++)                                                                         \
+                for (long c = 0; c < 16; c++)                                                                        \
+                    for (long j = 0; j < 2; j++) {                                                                   \
+                        long col = c0 + c, k = k0 + 2 * kp + j;                                                      \
+                        tile[kp * 32 + 2 * c + j] = col < C && k < K ? CVT(q[col * sc + k * sk]) : 0;                \
+                    }                                                                                                \
+        }                                                                                                            \
     }
-}
+PACK_PAIRS(pack_pairs, bf16, bf16_keep)
+PACK_PAIRS(pack_pairs_f32, float, bf16_store)
 
 /* fp32 Q [C, K] into tiles [column block of 16][k block of 32][k][column c]: a k's 16 columns are one vector */
 static void pack_cols(const float *q, long sc, long sk, long C, long K, long KB, float *dst, int threads) {
@@ -429,22 +440,26 @@ static void block_amx(const void *const p[2], const long ps[2], long na, const v
 }
 #endif
 
-/* E: element bytes (4 fp32, 2 bf16) of P, Q and y alike */
-static void packed_mm(block_fn *block, int amx, long E, const void *p, long spr, long spk, const void *q, long sqc,
-                      long sqk, void *y, long ysr, long ysc, long R, long C, long K, int threads) {
+/* E: the element bytes the products take (4 fp32, 2 bf16); EP, EQ, EY those of P, Q and y: E, or 4 with E 2 (fp32
+ * operands rounded to bf16 as they are packed; fp32 results, not rounded) */
+static void packed_mm(block_fn *block, int amx, long E, const void *p, long EP, long spr, long spk, const void *q,
+                      long EQ, long sqc, long sqk, void *y, long EY, long ysr, long ysc, long R, long C, long K,
+                      int threads) {
     long KB = (K + 31) / 32, K32 = KB * 32, NRB = (R + 15) / 16, NCB = (C + 15) / 16;
     long R16 = NRB * 16, C16 = NCB * 16;
     char *qp = aligned_alloc(64, NCB * KB * 512 * E);
     if (E == 4)
         pack_cols(q, sqc, sqk, C, K, KB, (float *)qp, threads);
+    else if (EQ == 4)
+        pack_pairs_f32(q, sqc, sqk, C, K, KB, (bf16 *)qp, threads);
     else
         pack_pairs(q, sqc, sqk, C, K, KB, (bf16 *)qp, threads);
     /* P in place where it can be; else (or for the last partial block of 16 rows) packed */
-    long packed_from = spk == 1 && K % 32 == 0 ? R / 16 * 16 : 0;
+    long packed_from = spk == 1 && K % 32 == 0 && EP == E ? R / 16 * 16 : 0;
     char *pp = NULL;
     if (packed_from < R16) {
         pp = aligned_alloc(64, (R16 - packed_from) * K32 * E);
-        pack_rows(p, spr, spk, E, R, K, K32, packed_from, R16, pp, threads);
+        pack_rows(p, spr, spk, EP, E, R, K, K32, packed_from, R16, pp, threads);
     }
     float *acc = KB * 32 > KC ? aligned_alloc(64, R16 * C16 * sizeof(float)) : NULL; /* between K chunks */
     long RP = (NRB + 1) / 2;
@@ -482,11 +497,11 @@ static void packed_mm(block_fn *block, int amx, long E, const void *p, long spr,
                                     float col[16] __attribute__((aligned(64)));
                                     for (long c = 0; c < cn; c++) {
                                         for (long r = 0; r < 16; r++) col[r] = o[r * 16 + c];
-                                        write_row(col, y, r0 + (cc0 + c) * ysc, 1, rn, E == 4);
+                                        write_row(col, y, r0 + (cc0 + c) * ysc, 1, rn, EY == 4);
                                     }
                                 } else {
                                     for (long r = 0; r < rn; r++)
-                                        write_row(o + r * 16, y, (r0 + r) * ysr + cc0 * ysc, ysc, cn, E == 4);
+                                        write_row(o + r * 16, y, (r0 + r) * ysr + cc0 * ysc, ysc, cn, EY == 4);
                                 }
                             }
                     }
@@ -502,13 +517,15 @@ static void packed_mm(block_fn *block, int amx, long E, const void *p, long spr,
     free(acc);
 }
 
-/* `batch` products back to back, P, Q and y of product i at i * (their batch stride) elements on */
+/* `batch` products back to back, P, Q and y of product i at i * (their batch stride) elements on; ep, eq, ey their
+ * element bytes (packed_mm's EP, EQ, EY) */
 #define PACKED_MM(NAME, BLOCK, AMX, E)                                                                                 \
     void NAME(const char *p, long spb, long spr, long spk, const char *q, long sqb, long sqc, long sqk, char *y,     \
-              long syb, long ysr, long ysc, long batch, long R, long C, long K, int threads) {                       \
+              long syb, long ysr, long ysc, long batch, long R, long C, long K, int threads, long ep, long eq,       \
+              long ey) {                                                                                             \
         for (long i = 0; i < batch; i++)                                                                             \
-            packed_mm(BLOCK, AMX, E, p + i * spb * E, spr, spk, q + i * sqb * E, sqc, sqk, y + i * syb * E, ysr,     \
-                      ysc, R, C, K, threads);                                                                        \
+            packed_mm(BLOCK, AMX, E, p + i * spb * ep, ep, spr, spk, q + i * sqb * eq, eq, sqc, sqk,                 \
+                      y + i * syb * ey, ey, ysr, ysc, R, C, K, threads);                                             \
     }
 
 PACKED_MM(bi_fma_mm, block_fma_rows, 0, 4)

@@ -16,6 +16,9 @@ FMA lanes (`bi_fma_mm`), bf16 on AMX tiles where the CPU has AMX (`bi_amx_mm`, t
 where it has AVX512-BF16 (`bi_dp_mm`); elsewhere on the dot products' lanes (`bi_mm`, `bi_mm_bf16`). Each path has
 its own fixed order, so a machine's bits are its path's. Setting SPEEDLLM_CPU_ISA (any path) leaves AMX out, which
 is how its twins are tested on an AMX machine.
+
+The packed bf16 kernel also takes fp32 operands, rounded to bf16 as it packs them, and writes fp32 results
+(`mixed_bmm`): the MoE experts run on it under bf16 autocast in and out of the mode (speedllm.ops.cpu._GroupedMM).
 """
 
 import contextlib
@@ -33,7 +36,7 @@ SOURCE = Path(__file__).with_name("batch_invariant.c")
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 _MM = (_P, _P, _P, _L, _L, _L, _L, _I)
 _ATTENTION = (_P,) * 5 + (_L,) * 6 + (ctypes.c_float, _I)
-_PACKED_MM = (_P, _L, _L, _L) * 3 + (_L, _L, _L, _L, _I)
+_PACKED_MM = (_P, _L, _L, _L) * 3 + (_L, _L, _L, _L, _I, _L, _L, _L)
 _SUFFIX = {torch.float32: "", torch.bfloat16: "_bf16"}
 _active = False
 
@@ -132,21 +135,40 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _packed_mm(kernel: str, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor, threads: int) -> None:
-    """y [B, M, N] (contiguous) = a [B, M, K] @ b [B, K, N] by packed `kernel`, a, b and y of its dtype, a and b in
-    any strides, one product after another. The kernel computes P Q^T for P [R, K], Q [C, K]: P = a and Q = b^T,
-    or P = b^T and Q = a with y written transposed, the same bits either way (a product is the same either way
-    round): the one with the least copying, P read in place where it can be (rows contiguous, K a multiple of 32)."""
+    """y [B, M, N] (contiguous) = a [B, M, K] @ b [B, K, N] by packed `kernel`, a and b in any strides, of its dtype
+    or (a bf16 kernel) fp32, rounded to bf16 as they are packed, y of its dtype or fp32. The kernel computes P Q^T
+    for P [R, K], Q [C, K]: P = a and Q = b^T, or P = b^T and Q = a with y written transposed, the same bits either
+    way (a product is the same either way round): the one with the least copying, P read in place where it can be
+    (rows contiguous of the kernel's dtype, K a multiple of 32)."""
     (B, M, K), N = a.shape, b.shape[2]
     bt = b.transpose(1, 2)
+    size = 4 if kernel == "bi_fma_mm" else 2
 
     def p_cost(t):  # elements copied (a transposing copy counted 4x) to use t as P
-        in_place = t.stride(2) == 1 and K % 32 == 0
+        in_place = t.stride(2) == 1 and K % 32 == 0 and t.element_size() == size
         return 0 if in_place else t.numel() * (1 if t.stride(2) == 1 else 4)
 
     swap = p_cost(bt) + a.numel() + 2 * B * M * N < p_cost(a) + bt.numel()
     (p, q), (ysr, ysc) = ((bt, a), (1, N)) if swap else ((a, bt), (N, 1))
     c_function(SOURCE, kernel, _PACKED_MM)(p.data_ptr(), *p.stride(), q.data_ptr(), *q.stride(), y.data_ptr(),
-                                           M * N, ysr, ysc, B, p.shape[1], q.shape[1], K, threads)
+                                           M * N, ysr, ysc, B, p.shape[1], q.shape[1], K, threads,
+                                           p.element_size(), q.element_size(), y.element_size())
+
+
+def mixed_available() -> bool:
+    """Whether this CPU has the packed bf16 kernel `mixed_bmm` runs on (AMX, AVX512-BF16)."""
+    return available() and bool(_packed_kernel(torch.bfloat16))
+
+
+def mixed_bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out [B, M, N] (contiguous) = a [B, M, K] @ b [B, K, N] in bf16 products on the packed bf16 kernel (where
+    mixed_available()), whichever of a, b and out are fp32 or bf16: an fp32 operand is rounded to bf16 as it is
+    packed (the cast fused into the packing), an fp32 out holds the fp32 sums unrounded. Each element sums over K
+    in the kernel's fixed order, as `bmm`'s bf16 path does."""
+    if out.numel() and a.shape[2] == 0:
+        out.zero_()
+    elif out.numel():
+        _packed_mm(_packed_kernel(torch.bfloat16), a, b, out, _threads(out.numel() * a.shape[2]))
 
 
 def _mm_out(a, b, *, out):

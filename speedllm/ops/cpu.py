@@ -281,19 +281,28 @@ class _GroupedMM(torch.autograd.Function):
     a zero-filled [E, O, D] tensor added into the total, E times per projection, and the blocks are copied
     twice more by cat. On qwen3-moe-60M (8 experts) that was a third of a training step. The mm calls are the
     reference's own (dw[e] as autograd computes it for a transposed weight: dy_e^T x_e), so values are equal.
-    mm(out=...) is beyond autocast's reach: under bf16 autocast the experts compute in their inputs' dtype (fp32
-    after an RMSNorm). Casting them to bf16 as autocast would made qwen3-moe-60M's step slower, 0.68-0.77 s ->
-    0.83-0.85 (2-core Xeon with AMX): small GEMMs gain little, and the weights and their gradients are converted
-    every step.
+
+    Under bf16 autocast on a CPU with a packed bf16 kernel (AMX, AVX512-BF16), each expert's products run on it
+    (batch_invariant.mixed_bmm): the fp32 weights and activations are rounded to bf16 as the kernel packs them, so
+    no weight is converted outside it, and the weight gradients come out in fp32, unrounded, straight into the
+    masters' gradient. The outputs are bf16, as autocast's linear layers give. Without that kernel the experts
+    compute in their inputs' dtype (fp32 after an RMSNorm; mm(out=...) is beyond autocast's reach): casting them
+    to bf16 outside the kernel, as autocast would, made qwen3-moe-60M's step slower on a 2-core Xeon with AMX,
+    0.68-0.77 s -> 0.83-0.85.
     """
 
     @staticmethod
     def forward(ctx, x_ND, w_EOD, counts_E):
         ctx.splits = counts_E.tolist()
         ctx.save_for_backward(x_ND, w_EOD)
-        y_NO = x_ND.new_empty(x_ND.shape[0], w_EOD.shape[1])
+        ctx.low = (torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+                   and batch_invariant.mixed_available())
+        y_NO = x_ND.new_empty(x_ND.shape[0], w_EOD.shape[1], dtype=torch.bfloat16 if ctx.low else x_ND.dtype)
         for e, (x, y) in enumerate(zip(x_ND.split(ctx.splits), y_NO.split(ctx.splits))):
-            torch.mm(x, w_EOD[e].t(), out=y)
+            if ctx.low:
+                batch_invariant.mixed_bmm(x[None], w_EOD[e].t()[None], y[None])
+            else:
+                torch.mm(x, w_EOD[e].t(), out=y)
         return y_NO
 
     @staticmethod
@@ -305,6 +314,12 @@ class _GroupedMM(torch.autograd.Function):
         dw_EOD = torch.empty_like(w_EOD) if ctx.needs_input_grad[1] else None
         dx_blocks = dx_ND.split(ctx.splits) if dx_ND is not None else [None] * len(ctx.splits)
         for e, (x, dy, dx) in enumerate(zip(x_ND.split(ctx.splits), dy_NO.split(ctx.splits), dx_blocks)):
+            if ctx.low:
+                if dx is not None:
+                    batch_invariant.mixed_bmm(dy[None], w_EOD[e][None], dx[None])
+                if dw_EOD is not None:
+                    batch_invariant.mixed_bmm(dy.t()[None], x[None], dw_EOD[e][None])
+                continue
             if dx is not None:
                 torch.mm(dy, w_EOD[e], out=dx)
             if dw_EOD is not None:
